@@ -1,0 +1,157 @@
+"""What every random-feature mechanism of the softmax kernel SM(x, y) = exp(xᵀy) provides.
+
+A mechanism turns two sets of vectors into features whose inner product estimates SM:
+
+    params = mech.fit(x, y)                     # data-dependent parameters, closed form
+    w = mech.draw(key, num_features, params)    # the random draw (projections, integers, ...)
+    fx = mech.query_features(x, w, params)      # [..., Lx, F]
+    fy = mech.key_features(y, w, params)        # [..., Ly, F]
+    fx @ fy.T                                   # unbiased estimate of exp(x @ y.T)
+
+Features are computed in log space: `*_log_features` return (log|f|, sign) with sign None for
+mechanisms whose features are positive. The attention layer subtracts its stabilisers from
+log|f| before exponentiating; the plain `*_features` methods exponentiate directly.
+
+Shapes: x [..., Lx, d], y [..., Ly, d]; leading dimensions (batch, heads) broadcast through
+fit, draw and the feature maps. Masks are [..., L] booleans (True = a real row).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def pytree_dataclass(cls):
+    """A frozen dataclass registered as a pytree; fields with metadata static=True are static."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    data, meta = [], []
+    for f in dataclasses.fields(cls):
+        (meta if f.metadata.get("static", False) else data).append(f.name)
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static(default=dataclasses.MISSING):
+    return dataclasses.field(default=default, metadata={"static": True})
+
+
+def combine(log_abs: jax.Array, sign: jax.Array | None) -> jax.Array:
+    """Features from their log-space form."""
+    f = jnp.exp(log_abs)
+    return f if sign is None else sign * f
+
+
+def check_sets(x, y, x_mask=None, y_mask=None, where="fit"):
+    """Shape checks shared by every mechanism: clear errors naming the bad shape."""
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    if x.ndim < 2 or y.ndim < 2:
+        raise ValueError(f"{where}: x and y must be [..., L, d]; got shapes {x.shape} and {y.shape}")
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"{where}: x and y must share the last dimension d; got {x.shape} and {y.shape}")
+    for name, m, a in (("x_mask", x_mask, x), ("y_mask", y_mask, y)):
+        if m is not None and tuple(jnp.shape(m)) != tuple(a.shape[:-1]):
+            raise ValueError(f"{where}: {name} must have shape {a.shape[:-1]} (the rows of its set); "
+                             f"got {jnp.shape(m)}")
+    return x, y
+
+
+def check_rows(u, dim, where):
+    u = jnp.asarray(u)
+    if u.ndim < 2 or u.shape[-1] != dim:
+        raise ValueError(f"{where}: expected rows [..., L, {dim}]; got shape {u.shape}")
+    return u
+
+
+def check_num_features(num_features):
+    if not isinstance(num_features, (int, np.integer)) or num_features < 1:
+        raise ValueError(f"num_features must be a positive integer; got {num_features!r}")
+    return int(num_features)
+
+
+def log_variance_from_moments(log_second: jax.Array, log_mean: jax.Array) -> jax.Array:
+    """log(E[Z²] − E[Z]²) from log E[Z²] and log E[Z], stable when the two are close or huge."""
+    gap = jnp.minimum(2.0 * log_mean - log_second, 0.0)
+    return log_second + jnp.log(-jnp.expm1(gap) + 1e-38)
+
+
+class Mechanism(abc.ABC):
+    """One random-feature estimator of SM(x, y). Subclasses set `name` and `positive`."""
+
+    name: str = ""
+    positive: bool = True   # features always > 0: the attention normaliser needs no sign guard
+    options: dict[str, Any]
+
+    # ---- data-dependent parameters -------------------------------------------------------
+    @abc.abstractmethod
+    def fit(self, x, y, x_mask=None, y_mask=None):
+        """Closed-form parameters from the sets x [..., Lx, d] and y [..., Ly, d]."""
+
+    # ---- the random draw -----------------------------------------------------------------
+    @abc.abstractmethod
+    def draw(self, key, num_features, params, coupling="iid"):
+        """The mechanism's random draw for `num_features` random features."""
+
+    def feature_dim(self, num_features: int) -> int:
+        """Width F of the feature vectors produced from a draw of `num_features`."""
+        return num_features
+
+    # ---- feature maps ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def query_log_features(self, x, w, params):
+        """(log|φ_q(x)|, sign or None), each [..., Lx, F]."""
+
+    @abc.abstractmethod
+    def key_log_features(self, y, w, params):
+        """(log|φ_k(y)|, sign or None), each [..., Ly, F]."""
+
+    def query_features(self, x, w, params):
+        return combine(*self.query_log_features(x, w, params))
+
+    def key_features(self, y, w, params):
+        return combine(*self.key_log_features(y, w, params))
+
+    def estimate(self, x, y, w, params):
+        """The estimate φ_q(x)ᵀφ_k(y) of exp(x @ yᵀ) for every pair: [..., Lx, Ly]."""
+        fx, fy = self.query_features(x, w, params), self.key_features(y, w, params)
+        return fx @ jnp.swapaxes(fy, -1, -2)
+
+    # ---- analysis ----------------------------------------------------------------------------
+    def log_second_moment(self, x, y, params):
+        """log E[(f_q(ω, x) f_k(ω, y))²] of one sample, every pair: [..., Lx, Ly]."""
+        raise TypeError(f"{self.name!r} has no per-sample second moment (its estimate is not a mean of "
+                        "iid samples); use variance(...)")
+
+    def log_variance(self, x, y, params):
+        """log of the per-sample variance (one random feature, iid), every pair."""
+        x, y = jnp.asarray(x), jnp.asarray(y)
+        log_mean = x @ jnp.swapaxes(y, -1, -2)
+        return log_variance_from_moments(self.log_second_moment(x, y, params), log_mean)
+
+    def variance(self, x, y, params, num_features, coupling="iid"):
+        """Analytic variance of the estimate from `num_features` iid features, every pair."""
+        num_features = check_num_features(num_features)
+        if coupling != "iid":
+            raise ValueError(f"{self.name!r}: the analytic variance is for coupling='iid' only; "
+                             f"got coupling={coupling!r}")
+        return jnp.exp(self.log_variance(x, y, params)) / num_features
+
+    def objective(self, x, y, params, x_mask=None, y_mask=None):
+        """The shifted log-variance objective: mean over valid pairs of log E[(f_q f_k)²].
+
+        Every data-dependent mechanism's fit minimises this (FAVOR# §3); tests perturb the
+        fitted parameters and check that it never goes down.
+        """
+        lsm = self.log_second_moment(x, y, params)
+        wx = jnp.ones(x.shape[:-1]) if x_mask is None else jnp.asarray(x_mask, jnp.float32)
+        wy = jnp.ones(y.shape[:-1]) if y_mask is None else jnp.asarray(y_mask, jnp.float32)
+        w = wx[..., :, None] * wy[..., None, :]
+        return jnp.sum(w * lsm, axis=(-1, -2)) / jnp.sum(w, axis=(-1, -2))
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{type(self).__name__}({self.name!r}{', ' if opts else ''}{opts})"

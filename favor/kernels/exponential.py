@@ -1,0 +1,333 @@
+"""Exponential random features on Gaussian projections: FAVOR+, FAVOR++ and FAVOR#.
+
+All of them are one map in a transformed basis (MATH.md, "Dense-exponential RFs"):
+
+    log f_q(ω, x) = Σ_l [¼ log(1 − 4a_l) + a_l ω_l² + √(1 − 4a_l) ω_l x'_l] − ½||x'||²,   x' = x·T_q
+    log f_k(ω, y) = the same with y' = y·T_k,                                      T_q T_kᵀ = I
+
+so that x'ᵀy' = xᵀy and E_ω[f_q f_k] = exp(xᵀy) for ω ~ N(0, I). The mechanisms differ only in
+how fit chooses (T_q, T_k, a):
+
+    positive   T = I,                 a = 0                        (FAVOR+, Performer)
+    gerf/oprf  T = I,                 a_l = A* from ρ*(v̄, d)       (FAVOR++, CRT Thm 3.3 + eq. 8)
+    saderf     T_q = Ψ, T_k = Ψ⁻¹,    Ψ diagonal, then OPRF        (FAVOR#)
+    aderf      T_q = Q, T_k = Q⁻¹,    Q = P^½ (geometric mean), then OPRF
+    sderf      T_q = T_k = U,         a_l = ρ*(λ_l, 1) per eigendirection of N
+
+Optimal importance sampling ("All RF representations are equivalent", Thm 1) is an option of every
+mechanism here: ω is drawn from the Gaussian proposal p_Ψ ∝ p_Ω·q fitted under a Gaussian model of
+the (transformed) data, and log p_Ω(ω)/p_Ψ(ω) is carried in the draw's log-weights, half of it in
+each feature map, so the estimate stays unbiased.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from favor.kernels import stats
+from favor.kernels.base import Mechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
+from favor.kernels.couplings import Projections, check_coupling, gaussian_projections, positive_mse_gaussian_form
+
+# Floor on the eigenvalues of I − 2(G_x + G_y), the whitened proposal precision. Below it the
+# optimal proposal does not exist (the data are so spread that q(ω) is not integrable against
+# p_Ω); flooring keeps a valid, wider Gaussian proposal and the estimator unbiased.
+IS_PRECISION_FLOOR = 1.0 / 16.0
+
+
+@pytree_dataclass
+class ExpParams:
+    """Fitted parameters of an exponential mechanism (leading dims: batch, heads)."""
+    tq: jax.Array          # [..., d, d]  x' = x @ tq
+    tk: jax.Array          # [..., d, d]  y' = y @ tk,  tq @ tkᵀ = I
+    a: jax.Array           # [..., d]     a_l < 1/8 in the transformed basis
+    prop_mean: jax.Array   # [..., d]     importance-sampling proposal N(mean, Λ⁻¹)
+    prop_prec: jax.Array   # [..., d, d]  Λ
+    prop_scale: jax.Array  # [..., d, d]  Λ^(-1/2)
+    prop_logdet: jax.Array  # [...]       log det Λ
+    importance: bool = static(False)
+
+    @property
+    def dim(self):
+        return self.a.shape[-1]
+
+
+def identity_params(batch_shape, d, a=None):
+    eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), (*batch_shape, d, d))
+    a = jnp.zeros((*batch_shape, d), jnp.float32) if a is None else a
+    return ExpParams(tq=eye, tk=eye, a=a, prop_mean=jnp.zeros((*batch_shape, d), jnp.float32),
+                     prop_prec=eye, prop_scale=eye, prop_logdet=jnp.zeros(batch_shape, jnp.float32))
+
+
+def _batch_shape(x, y):
+    return jnp.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+
+
+def _mT(m):
+    return jnp.swapaxes(m, -1, -2)
+
+
+def _importance_proposal(xt, wx, yt, wy, a):
+    """Gaussian proposal p_Ψ ∝ p_Ω·q for f² = D² exp(2Σa_lω_l² + 2ωᵀBx' − ||x'||²), B = diag(√(1−4a)).
+
+    Under x' ~ N(μ_x, Σ_x): log E_x f² = ωᵀ(2 diag(a) + 2 B G_x B)ω + 2ωᵀB m_x + const with
+    G = Σ(I + 2Σ)⁻¹ and m = (I + 2Σ)⁻¹μ; q is the geometric mean of the two sides, so
+    p_Ψ = N(Λ⁻¹B(m_x + m_y), Λ⁻¹) with Λ = B(I − 2(G_x + G_y))B.
+    """
+    d = a.shape[-1]
+    eye = jnp.eye(d, dtype=jnp.float32)
+
+    def moments(u, w):
+        mu = stats.mean(u, w)
+        return mu, stats.second_moment(u, w) - mu[..., :, None] * mu[..., None, :]
+
+    (mu_x, cov_x), (mu_y, cov_y) = moments(xt, wx), moments(yt, wy)
+    cov_x, cov_y = jnp.broadcast_arrays(cov_x, cov_y)
+    cov = jnp.stack([cov_x, cov_y])
+    # one batched inverse for both sides: independent LAPACK calls can deadlock XLA:CPU (couplings.py)
+    inv = jnp.linalg.inv(eye + 2.0 * cov)
+    g = 0.5 * (cov @ inv + _mT(cov @ inv))
+    gx, gy = g[0], g[1]
+    mx = jnp.einsum("...de,...e->...d", inv[0], mu_x)
+    my = jnp.einsum("...de,...e->...d", inv[1], mu_y)
+    lam_k, u_k = jnp.linalg.eigh(eye - 2.0 * (gx + gy))
+    k = (u_k * jnp.maximum(lam_k, IS_PRECISION_FLOOR)[..., None, :]) @ _mT(u_k)
+    b = jnp.sqrt(1.0 - 4.0 * a)
+    prec = b[..., :, None] * k * b[..., None, :]
+    lam, u = jnp.linalg.eigh(prec)
+    scale = (u * jax.lax.rsqrt(lam)[..., None, :]) @ _mT(u)
+    mean = jnp.einsum("...de,...e->...d", scale @ scale, b * (mx + my))
+    return mean, prec, scale, jnp.sum(jnp.log(lam), axis=-1)
+
+
+class ExponentialMechanism(Mechanism):
+    """Shared feature maps, draws and second moments of the exponential family."""
+
+    positive = True
+    OPTIONS = {"importance_sampling": False}
+
+    def __init__(self, **options):
+        self.options = options
+        self.importance = bool(options.get("importance_sampling", False))
+
+    # -- fit -------------------------------------------------------------------------------------
+    def _transforms(self, x, wx, y, wy):
+        """(tq, tk, a) for this mechanism; default: identity transforms, OPRF's A*."""
+        d = x.shape[-1]
+        bs = _batch_shape(x, y)
+        v = stats.mean_pair_sq_norm(x, wx, y, wy)
+        a = jnp.broadcast_to(stats.optimal_a(v, d)[..., None], (*bs, d))
+        p = identity_params(bs, d)
+        return p.tq, p.tk, a
+
+    def fit(self, x, y, x_mask=None, y_mask=None):
+        x, y = check_sets(x, y, x_mask, y_mask)
+        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+        wx, wy = stats.row_weights(x, x_mask), stats.row_weights(y, y_mask)
+        tq, tk, a = self._transforms(x, wx, y, wy)
+        bs, d = _batch_shape(x, y), x.shape[-1]
+        tq, tk = jnp.broadcast_to(tq, (*bs, d, d)), jnp.broadcast_to(tk, (*bs, d, d))
+        a = jnp.broadcast_to(a, (*bs, d))
+        if not self.importance:
+            return dataclasses.replace(identity_params(bs, d, a), tq=tq, tk=tk)
+        mean, prec, scale, logdet = _importance_proposal(x @ tq, wx, y @ tk, wy, a)
+        return ExpParams(tq=tq, tk=tk, a=a, prop_mean=mean, prop_prec=prec, prop_scale=scale,
+                         prop_logdet=logdet, importance=True)
+
+    # -- draw ------------------------------------------------------------------------------------
+    def draw(self, key, num_features, params, coupling="iid"):
+        check_num_features(num_features)
+        check_coupling(coupling)
+        z = gaussian_projections(key, num_features, params.dim, coupling)
+        if not params.importance:
+            return Projections(omega=z, log_weights=jnp.zeros((num_features,), jnp.float32))
+        omega = params.prop_mean[..., None, :] + z @ params.prop_scale  # scale is symmetric
+        log_w = (-0.5 * jnp.sum(omega * omega, -1) + 0.5 * jnp.sum(z * z, -1)
+                 - 0.5 * params.prop_logdet[..., None])
+        return Projections(omega=omega, log_weights=log_w)
+
+    # -- features --------------------------------------------------------------------------------
+    def _log_features(self, u, t, w, params):
+        u = check_rows(u, params.dim, f"{self.name} features")
+        u = u.astype(jnp.float32) @ t
+        a = params.a
+        b = jnp.sqrt(1.0 - 4.0 * a)
+        m = w.omega.shape[-2]
+        # per-feature constant: Σ_l ¼log(1−4a_l) + a_l ω_l², half the log-weight, and 1/√M
+        const = (0.25 * jnp.sum(jnp.log1p(-4.0 * a), -1)[..., None]
+                 + jnp.einsum("...md,...d->...m", w.omega * w.omega, a)
+                 + 0.5 * w.log_weights - 0.5 * math.log(m))
+        proj = u @ _mT(w.omega * b[..., None, :])
+        return proj - 0.5 * jnp.sum(u * u, -1, keepdims=True) + const[..., None, :], None
+
+    def query_log_features(self, x, w, params):
+        return self._log_features(x, params.tq, w, params)
+
+    def key_log_features(self, y, w, params):
+        return self._log_features(y, params.tk, w, params)
+
+    # -- analysis --------------------------------------------------------------------------------
+    def log_second_moment(self, x, y, params):
+        """log E_Ψ[(p_Ω/p_Ψ)² f_q² f_k²] in closed form (Gaussian integrals); no IS: Λ = I, μ = 0.
+
+        = Σ log(1−4a) − ||x'||² − ||y'||² − ½ log det Λ − ½ log det Q + ½ hᵀQ⁻¹h + ½ μᵀΛμ,
+        Q = 2B² − Λ, h = 2B(x' + y') − Λμ.
+        """
+        x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+        xt, yt = x @ params.tq, y @ params.tk
+        a = params.a
+        b = jnp.sqrt(1.0 - 4.0 * a)
+        lam, mu = params.prop_prec, params.prop_mean
+        q = 2.0 * (jnp.eye(a.shape[-1]) * (b * b)[..., None, :]) - lam
+        q_lam, q_vec = jnp.linalg.eigh(q)   # one symmetric factorisation gives Q⁻¹ and log det Q
+        q_inv = (q_vec / q_lam[..., None, :]) @ _mT(q_vec)
+        lam_mu = jnp.einsum("...de,...e->...d", lam, mu)
+        hx = 2.0 * xt * b[..., None, :] - lam_mu[..., None, :]
+        hy = 2.0 * yt * b[..., None, :]
+        quad = (jnp.einsum("...id,...de,...ie->...i", hx, q_inv, hx)[..., :, None]
+                + 2.0 * jnp.einsum("...id,...de,...je->...ij", hx, q_inv, hy)
+                + jnp.einsum("...jd,...de,...je->...j", hy, q_inv, hy)[..., None, :])
+        const = (jnp.sum(jnp.log1p(-4.0 * a), -1) - 0.5 * params.prop_logdet
+                 - 0.5 * jnp.sum(jnp.log(q_lam), -1) + 0.5 * jnp.sum(mu * lam_mu, -1))
+        return (const[..., None, None] + 0.5 * quad - jnp.sum(xt * xt, -1)[..., :, None]
+                - jnp.sum(yt * yt, -1)[..., None, :])
+
+
+class Positive(ExponentialMechanism):
+    """FAVOR+ positive RFs: φ(u) = exp(ωᵀu − ||u||²/2)/√M; antithetic adds exp(−ωᵀu − ||u||²/2)."""
+
+    name = "positive"
+    OPTIONS = {"antithetic": False, "importance_sampling": False}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.antithetic = bool(options.get("antithetic", False))
+        if self.antithetic and self.importance:
+            raise ValueError("positive: antithetic=True needs a proposal symmetric about 0, which "
+                             "importance_sampling=True does not give; choose one of the two")
+
+    def _transforms(self, x, wx, y, wy):
+        bs, d = _batch_shape(x, y), x.shape[-1]
+        p = identity_params(bs, d)
+        return p.tq, p.tk, p.a
+
+    def feature_dim(self, num_features):
+        return 2 * num_features if self.antithetic else num_features
+
+    def draw(self, key, num_features, params, coupling="iid"):
+        w = super().draw(key, num_features, params, coupling)
+        if not self.antithetic:
+            return w
+        # ±ω each carry half the weight: the 1/√M of each map becomes 1/√(2M) over 2M features
+        return Projections(omega=jnp.concatenate([w.omega, -w.omega], axis=-2),
+                           log_weights=jnp.concatenate([w.log_weights, w.log_weights], axis=-1))
+
+    def variance(self, x, y, params, num_features, coupling="iid"):
+        """iid: Var/M; antithetic: HRF Lemma 2.2; orthogonal/simplex: SimRF Theorem 3.2."""
+        num_features = check_num_features(num_features)
+        x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+        if params.importance and coupling != "iid":
+            raise ValueError("positive: the analytic variance with importance sampling is for "
+                             f"coupling='iid' only; got {coupling!r}")
+        check_coupling(coupling)
+        sq_x = jnp.sum(x * x, -1)[..., :, None]
+        sq_y = jnp.sum(y * y, -1)[..., None, :]
+        xy = x @ _mT(y)
+        v2 = sq_x + sq_y + 2.0 * xy
+        if self.antithetic:
+            if coupling != "iid":
+                raise ValueError("positive: the antithetic variance formula is for coupling='iid'")
+            # (1/2m)·e^{||z||²}·SM²·(1 − e^{−||z||²})²
+            return jnp.exp(v2 + 2.0 * xy) * jnp.expm1(-v2) ** 2 / (2.0 * num_features)
+        if coupling == "iid":
+            return super().variance(x, y, params, num_features)
+        if coupling == "simplex+":
+            raise ValueError("positive: SimRF+ has no closed-form MSE (the paper optimises it "
+                             "numerically); use 'iid', 'orthogonal' or 'simplex'")
+        import numpy as np
+        mse = positive_mse_gaussian_form(np.sqrt(np.maximum(np.asarray(v2, np.float64), 0.0)),
+                                         np.asarray(sq_x, np.float64), np.asarray(sq_y, np.float64),
+                                         num_features, x.shape[-1], coupling)
+        return jnp.asarray(mse, jnp.float32)
+
+
+class GERF(ExponentialMechanism):
+    """GERF (CRT eq. 4, s = +1, real A): T = I, a_l = A. Default A is OPRF's A* (Theorem 3.3)."""
+
+    name = "gerf"
+    OPTIONS = {"a": None, "importance_sampling": False}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.a = options.get("a")
+        if self.a is not None and not (isinstance(self.a, (int, float)) and self.a < 0.125):
+            raise ValueError(f"gerf: a must be a real number below 1/8 (or None for OPRF's optimum); "
+                             f"got {self.a!r}")
+
+    def _transforms(self, x, wx, y, wy):
+        tq, tk, a = super()._transforms(x, wx, y, wy)
+        if self.a is not None:
+            a = jnp.full_like(a, float(self.a))
+        return tq, tk, a
+
+
+class OPRF(ExponentialMechanism):
+    """Optimal positive RFs (FAVOR++): GERF with A = (1 − 1/ρ*)/8, ρ* from the set statistics."""
+
+    name = "oprf"
+
+
+def _oprf_after(xt, wx, yt, wy):
+    """OPRF's A* on already-transformed sets (SADERF and ADERF reduce to this)."""
+    d = xt.shape[-1]
+    v = stats.mean_pair_sq_norm(xt, wx, yt, wy)
+    return jnp.broadcast_to(stats.optimal_a(v, d)[..., None], (*v.shape, d))
+
+
+class SADERF(ExponentialMechanism):
+    """Simplified asymmetric DERF: x → Ψx, y → Ψ⁻¹y, ψ_l = (E y_l² / E x_l²)^¼, then OPRF."""
+
+    name = "saderf"
+
+    def _transforms(self, x, wx, y, wy):
+        tiny = 1e-12
+        mx = jnp.einsum("...l,...ld->...d", wx, x * x) + tiny
+        my = jnp.einsum("...l,...ld->...d", wy, y * y) + tiny
+        psi = (my / mx) ** 0.25
+        eye = jnp.eye(x.shape[-1], dtype=jnp.float32)
+        tq, tk = eye * psi[..., None, :], eye / psi[..., None, :]
+        return tq, tk, _oprf_after(x * psi[..., None, :], wx, y / psi[..., None, :], wy)
+
+
+class ADERF(ExponentialMechanism):
+    """Asymmetric DERF: T_q = Q, T_k = Q⁻¹ with Q = P^½, P the geometric mean of M₁⁻¹ and M₂.
+
+    P = M₁^(−½)(M₁^½ M₂ M₁^½)^½ M₁^(−½) solves P M₁ P = M₂ and minimises tr(P M₁) + tr(P⁻¹ M₂),
+    the only Q-dependent part of the objective; then OPRF's A* on the transformed sets.
+    """
+
+    name = "aderf"
+
+    def _transforms(self, x, wx, y, wy):
+        m1, m2 = stats.second_moment(x, wx), stats.second_moment(y, wy)
+        r1, r1_inv = stats.sym_sqrt_and_inv(m1)
+        c_half, _ = stats.sym_sqrt_and_inv(r1 @ m2 @ r1)
+        p = r1_inv @ c_half @ r1_inv
+        q, q_inv = stats.sym_sqrt_and_inv(0.5 * (p + _mT(p)))
+        return q, q_inv, _oprf_after(x @ q, wx, y @ q_inv, wy)
+
+
+class SDERF(ExponentialMechanism):
+    """Symmetric DERF: N = M₁ + M₂ + x̄ȳᵀ + ȳx̄ᵀ = U diag(λ) Uᵀ, a_l = (1 − 1/ρ*(λ_l, 1))/8."""
+
+    name = "sderf"
+
+    def _transforms(self, x, wx, y, wy):
+        xm, ym = stats.mean(x, wx), stats.mean(y, wy)
+        cross = xm[..., :, None] * ym[..., None, :]
+        n = stats.second_moment(x, wx) + stats.second_moment(y, wy) + cross + _mT(cross)
+        lam, u = jnp.linalg.eigh(n)
+        return u, u, stats.optimal_a(lam, 1)

@@ -1,0 +1,66 @@
+"""Shared fixtures and the statistics every estimator test uses.
+
+Tolerances are Z standard errors with Z = 5 and fixed seeds: deterministic, and a wrong formula
+(a factor 2 in a variance, a missing weight) is many standard errors away.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+Z = 5.0
+
+
+def pairs(d=6, seed=0, scale=0.35):
+    """A few queries and keys with small norms, including x ≈ y and x ≈ −y pairs."""
+    rng = np.random.default_rng(seed)
+    x = scale * rng.standard_normal((4, d)) + 0.1
+    y = scale * rng.standard_normal((3, d)) - 0.05
+    y[0] = x[0] + 0.05 * rng.standard_normal(d)    # x ≈ y: trig is good here
+    y[1] = -x[1] + 0.05 * rng.standard_normal(d)   # x ≈ −y: positive RFs are good here
+    return jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+
+
+def repeated_estimates(mech, x, y, params, num_features, repeats, seed=0, coupling="iid", chunk=1000):
+    """[R, Lx, Ly] estimates from R independent draws, as float64 numpy (R rounded up to chunks)."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), -(-repeats // chunk) * chunk)
+
+    @jax.jit
+    @jax.vmap
+    def one(key):
+        w = mech.draw(key, num_features, params, coupling)
+        return mech.estimate(x, y, w, params)
+
+    # A Python loop over jitted chunks: lax.map over batched QR hung XLA:CPU here (jax 0.10.2).
+    return np.concatenate([np.asarray(one(keys[i:i + chunk]), np.float64)
+                           for i in range(0, len(keys), chunk)])
+
+
+def assert_unbiased(est, exact, what):
+    """Mean of R estimates within Z standard errors (empirical SE) of the exact kernel."""
+    r = est.shape[0]
+    mean = est.mean(0)
+    se = est.std(0, ddof=1) / np.sqrt(r)
+    z = np.abs(mean - exact) / se
+    assert np.all(z < Z), f"{what}: biased? max |z| = {z.max():.2f}; mean {mean.ravel()[:4]} vs exact {exact.ravel()[:4]}"
+
+
+def assert_variance_matches(est, analytic, what):
+    """Sample variance within Z standard errors of the analytic variance; SE from the 4th moment."""
+    r = est.shape[0]
+    dev = est - est.mean(0)
+    s2 = (dev ** 2).sum(0) / (r - 1)
+    m4 = (dev ** 4).mean(0)
+    se = np.sqrt(np.maximum(m4 - s2 ** 2, 1e-300) / r)
+    z = np.abs(s2 - analytic) / se
+    assert np.all(z < Z), (f"{what}: variance mismatch, max |z| = {z.max():.2f}; "
+                           f"empirical {s2.ravel()[:4]} vs analytic {np.asarray(analytic).ravel()[:4]}")
+    return s2
+
+
+@pytest.fixture
+def key():
+    return jax.random.PRNGKey(0)

@@ -1,0 +1,152 @@
+"""The kernel library's interface: registry, errors, shapes, masks, positivity, numerics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from favor import kernels
+
+DATA_DEPENDENT = ["gerf", "oprf", "saderf", "aderf", "sderf", "poisson", "poisson+",
+                  "geometric", "geometric+", "hrf-cluster"]
+EXPECTED_NAMES = {"trig", "positive", "gerf", "oprf", "saderf", "aderf", "sderf", "poisson", "geometric",
+                  "poisson+", "geometric+", "hrf-angular", "hrf-gaussian", "hrf-cluster"}
+
+
+def test_names():
+    assert set(kernels.names()) == EXPECTED_NAMES
+
+
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown kernel mechanism 'favor\\+\\+'.*oprf.*sderf"):
+        kernels.get("favor++")
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(ValueError, match="'positive' got unknown option.*'orthogonal'.*antithetic"):
+        kernels.get("positive", orthogonal=True)
+    with pytest.raises(ValueError, match="a must be a real number below 1/8"):
+        kernels.get("gerf", a=0.2)
+    with pytest.raises(ValueError, match="antithetic=True needs"):
+        kernels.get("positive", antithetic=True, importance_sampling=True)
+
+
+def test_shape_errors_name_the_shapes():
+    mech = kernels.get("oprf")
+    with pytest.raises(ValueError, match=r"share the last dimension.*\(3, 4\).*\(3, 5\)"):
+        mech.fit(jnp.ones((3, 4)), jnp.ones((3, 5)))
+    with pytest.raises(ValueError, match=r"x_mask must have shape \(3,\)"):
+        mech.fit(jnp.ones((3, 4)), jnp.ones((3, 4)), x_mask=jnp.ones((4,), bool))
+    p = mech.fit(jnp.ones((3, 4)), jnp.ones((3, 4)))
+    w = mech.draw(jax.random.PRNGKey(0), 8, p)
+    with pytest.raises(ValueError, match=r"expected rows \[\.\.\., L, 4\]; got shape \(3, 5\)"):
+        mech.query_features(jnp.ones((3, 5)), w, p)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_feature_shapes_and_batch_broadcast(name):
+    """Leading dims broadcast through fit, draw and features; each slice equals its own computation."""
+    mech = kernels.get(name)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(0.3 * rng.standard_normal((2, 3, 5, 4)), jnp.float32)
+    y = jnp.asarray(0.3 * rng.standard_normal((2, 3, 6, 4)), jnp.float32)
+    p = mech.fit(x, y)
+    w = mech.draw(jax.random.PRNGKey(1), 8, p)
+    fx, fy = mech.query_features(x, w, p), mech.key_features(y, w, p)
+    f = mech.feature_dim(8)
+    assert fx.shape == (2, 3, 5, f) and fy.shape == (2, 3, 6, f)
+    if name in ("poisson", "poisson+", "geometric", "geometric+"):
+        return   # their draws depend on per-slice rates; the slice check below needs a shared draw
+    p1 = mech.fit(x[1, 2], y[1, 2])
+    w1 = jax.tree.map(lambda a: a[1, 2] if a.ndim > 2 else a, w)
+    np.testing.assert_allclose(mech.query_features(x[1, 2], w1, p1), fx[1, 2], rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(mech.key_features(y[1, 2], w1, p1), fy[1, 2], rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", DATA_DEPENDENT)
+def test_masked_fit_equals_fit_on_valid_rows(name):
+    """Padded rows are out of every statistic: changing them changes nothing."""
+    mech = kernels.get(name)
+    rng = np.random.default_rng(1)
+    x = 0.4 * rng.standard_normal((7, 4)) + 0.1
+    y = 0.4 * rng.standard_normal((6, 4)) - 0.1
+    mx = np.array([1, 1, 0, 1, 1, 0, 1], bool)
+    my = np.array([1, 0, 1, 1, 1, 1], bool)
+    junk_x, junk_y = x.copy(), y.copy()
+    junk_x[~mx] = 50.0
+    junk_y[~my] = -50.0
+    p_mask = mech.fit(jnp.asarray(junk_x, jnp.float32), jnp.asarray(junk_y, jnp.float32), mx, my)
+    p_sub = mech.fit(jnp.asarray(x[mx], jnp.float32), jnp.asarray(y[my], jnp.float32))
+    for a, b in zip(jax.tree.leaves(p_mask), jax.tree.leaves(p_sub)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
+def test_all_padding_set_gives_finite_params():
+    for name in DATA_DEPENDENT:
+        mech = kernels.get(name)
+        x = jnp.ones((3, 4))
+        p = mech.fit(x, x, x_mask=jnp.zeros((3,), bool), y_mask=jnp.zeros((3,), bool))
+        assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree.leaves(p)), name
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_positivity_where_claimed_and_finite_at_large_norms(name):
+    """||x||² up to 100: features finite; positive mechanisms stay > 0, the others say they are not."""
+    mech = kernels.get(name)
+    rng = np.random.default_rng(2)
+    d = 16
+    x = rng.standard_normal((6, d))
+    y = rng.standard_normal((5, d))
+    x *= np.linspace(1.0, 10.0, 6)[:, None] / np.linalg.norm(x, axis=1, keepdims=True)
+    y *= np.linspace(1.0, 10.0, 5)[:, None] / np.linalg.norm(y, axis=1, keepdims=True)
+    x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+    p = mech.fit(x, y)
+    w = mech.draw(jax.random.PRNGKey(3), 32, p, coupling="iid")
+    (lx, sx), (ly, sy) = mech.query_log_features(x, w, p), mech.key_log_features(y, w, p)
+    assert np.all(np.isfinite(np.asarray(lx))) and np.all(np.isfinite(np.asarray(ly)))
+    fx, fy = np.asarray(mech.query_features(x, w, p)), np.asarray(mech.key_features(y, w, p))
+    assert np.all(np.isfinite(fx)) and np.all(np.isfinite(fy))
+    if mech.positive:
+        # positive by construction: no sign, finite log-features (exp may underflow at ||x|| = 10;
+        # the attention layer exponentiates only after subtracting its stabiliser)
+        assert sx is None and sy is None
+        assert np.all(fx >= 0) and np.all(fy >= 0)
+    elif name in ("poisson+", "geometric+"):
+        # the shift makes the fitting set's own features positive (CRT §3.2.3)
+        assert np.all(fx >= 0) and np.all(fy >= 0)
+    else:
+        assert np.any(fx < 0) or np.any(fy < 0)
+
+
+def test_positive_flags():
+    positive = {n for n in kernels.names() if kernels.get(n).positive}
+    assert positive == {"positive", "gerf", "oprf", "saderf", "aderf", "sderf"}
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+       lx=st.integers(1, 5), ly=st.integers(1, 5), d=st.integers(2, 5), m=st.integers(1, 9))
+def test_estimate_shapes_property(batch, lx, ly, d, m):
+    mech = kernels.get("sderf")
+    x = jnp.full((*batch, lx, d), 0.1)
+    y = jnp.full((*batch, ly, d), -0.2)
+    p = mech.fit(x, y)
+    w = mech.draw(jax.random.PRNGKey(0), m, p, coupling="orthogonal")
+    est = mech.estimate(x, y, w, p)
+    assert est.shape == (*batch, lx, ly)
+    assert np.all(np.isfinite(np.asarray(est)))
+
+
+def test_fit_and_features_jit():
+    """Everything, geometric's host-side Brent included, runs under jax.jit."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 4)) * 0.3, jnp.float32)
+    for name in kernels.names():
+        mech = kernels.get(name)
+
+        @jax.jit
+        def run(x, key):
+            p = mech.fit(x, x)
+            w = mech.draw(key, 4, p)
+            return mech.estimate(x, x, w, p)
+        assert run(x, jax.random.PRNGKey(0)).shape == (2, 5, 5), name
