@@ -1,0 +1,32 @@
+"""Attention over random features: every kind by the name users type.
+
+    from favor import attention
+    attention.names()
+    attn = attention.get("favor++", num_features=256, coupling="orthogonal", redraw="step")
+    out = attn(q, k, v, mask=None, causal=False, rng=key)   # q [B, Lq, H, D] -> [B, Lq, H, Dv]
+"""
+
+from favor.attention.kinds import KINDS, Attention, RandomFeatureAttention, RandomFeatureContext
+
+_REGISTRY = {cls.name: cls for cls in KINDS}
+
+
+def names():
+    """Every attention kind."""
+    return tuple(_REGISTRY)
+
+
+def get(kind, **options):
+    """An attention kind with options; an unknown kind or option is a ValueError listing valid ones."""
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown attention kind {kind!r}; valid kinds: {', '.join(_REGISTRY)}")
+    cls = _REGISTRY[kind]
+    bad = sorted(set(options) - set(cls.OPTIONS))
+    if bad:
+        valid = ", ".join(f"{k}={v!r}" for k, v in cls.OPTIONS.items()) or "none"
+        raise ValueError(f"attention {kind!r} got unknown option(s) {', '.join(map(repr, bad))}; "
+                         f"valid options: {valid}")
+    return cls(**{**cls.OPTIONS, **options})
+
+
+__all__ = ["Attention", "RandomFeatureAttention", "RandomFeatureContext", "get", "names"]
