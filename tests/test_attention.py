@@ -213,3 +213,28 @@ def test_jit_and_grad_every_kind():
         g = jax.jit(jax.grad(lambda q, k, v, r: jnp.sum(attn(q, k, v, mask=mask, rng=r) ** 2)))
         assert np.isfinite(float(f(q, k, v, jax.random.PRNGKey(0))))
         assert np.all(np.isfinite(np.asarray(g(q, k, v, jax.random.PRNGKey(0)))))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nnx_multihead_attention_dropin(kind):
+    """nnx.MultiHeadAttention(attention_fn=...) with every kind, padding mask, under jit and grad."""
+    from flax import nnx
+
+    opts = {} if kind not in RF_KINDS else ({"num_features": 8, "num_lambda_features": 2} if kind == "hrf"
+                                             else {"num_features": 16})
+    mha = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False,
+                                 attention_fn=attention.attention_fn(kind, **opts), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 8))
+    valid = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
+    mask = nnx.make_attention_mask(valid, valid)
+
+    def loss(m, x):
+        return jnp.sum(m(x, mask=mask, deterministic=True) ** 2)
+
+    val, grads = nnx.jit(nnx.value_and_grad(loss))(mha, x)
+    assert np.isfinite(float(val))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+    # padded positions do not change the valid outputs
+    x2 = x.at[1, 4:].set(7.0)
+    out, out2 = mha(x, mask=mask, deterministic=True), mha(x2, mask=mask, deterministic=True)
+    np.testing.assert_allclose(np.asarray(out[1, :4]), np.asarray(out2[1, :4]), rtol=1e-5, atol=1e-5)

@@ -4,8 +4,10 @@
     attention.names()
     attn = attention.get("favor++", num_features=256, coupling="orthogonal", redraw="step")
     out = attn(q, k, v, mask=None, causal=False, rng=key)   # q [B, Lq, H, D] -> [B, Lq, H, Dv]
+    fn = attention.attention_fn("favor#", num_features=128)  # for nnx.MultiHeadAttention
 """
 
+from favor.attention.dropin import attention_fn
 from favor.attention.kinds import KINDS, Attention, RandomFeatureAttention, RandomFeatureContext
 
 _REGISTRY = {cls.name: cls for cls in KINDS}
@@ -29,4 +31,4 @@ def get(kind, **options):
     return cls(**{**cls.OPTIONS, **options})
 
 
-__all__ = ["Attention", "RandomFeatureAttention", "RandomFeatureContext", "get", "names"]
+__all__ = ["Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn", "get", "names"]
