@@ -81,11 +81,11 @@ class FeatureAttention(Attention, abc.ABC):
     """Linear attention over a feature map; subclasses give the features."""
 
     positive = True
-    OPTIONS = {"chunk_size": 64}
+    OPTIONS = {"chunk_size": 128}
 
     def __init__(self, **options):
         super().__init__(**options)
-        self.chunk_size = int(options.get("chunk_size", 64))
+        self.chunk_size = int(options.get("chunk_size", 128))
 
     @abc.abstractmethod
     def features(self, q, k, mask, rng, step):
@@ -156,7 +156,7 @@ class RandomFeatureAttention(FeatureAttention):
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
-               "fit_gradients": False, "chunk_size": 64}
+               "fit_gradients": False, "chunk_size": 128}
     mechanism = ""
     mechanism_options: dict[str, Any] = {}
 

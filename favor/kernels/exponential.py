@@ -49,6 +49,9 @@ class ExpParams:
     prop_scale: jax.Array  # [..., d, d]  Λ^(-1/2)
     prop_logdet: jax.Array  # [...]       log det Λ
     importance: bool = static(False)
+    # "identity" | "diagonal" | "orthogonal" | "dense": lets the feature map skip work (an identity
+    # or orthogonal T keeps ||x'|| = ||x||; T folds into the projection either way)
+    transform: str = static("dense")
 
     @property
     def dim(self):
@@ -108,6 +111,7 @@ class ExponentialMechanism(Mechanism):
 
     positive = True
     OPTIONS = {"importance_sampling": False}
+    TRANSFORM = "identity"
 
     def __init__(self, **options):
         self.options = options
@@ -132,10 +136,10 @@ class ExponentialMechanism(Mechanism):
         tq, tk = jnp.broadcast_to(tq, (*bs, d, d)), jnp.broadcast_to(tk, (*bs, d, d))
         a = jnp.broadcast_to(a, (*bs, d))
         if not self.importance:
-            return dataclasses.replace(identity_params(bs, d, a), tq=tq, tk=tk)
+            return dataclasses.replace(identity_params(bs, d, a), tq=tq, tk=tk, transform=self.TRANSFORM)
         mean, prec, scale, logdet = _importance_proposal(x @ tq, wx, y @ tk, wy, a)
         return ExpParams(tq=tq, tk=tk, a=a, prop_mean=mean, prop_prec=prec, prop_scale=scale,
-                         prop_logdet=logdet, importance=True)
+                         prop_logdet=logdet, importance=True, transform=self.TRANSFORM)
 
     # -- draw ------------------------------------------------------------------------------------
     def draw(self, key, num_features, params, coupling="iid"):
@@ -151,17 +155,27 @@ class ExponentialMechanism(Mechanism):
 
     # -- features --------------------------------------------------------------------------------
     def _log_features(self, u, t, w, params):
-        u = check_rows(u, params.dim, f"{self.name} features")
-        u = u.astype(jnp.float32) @ t
+        u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
         a = params.a
-        b = jnp.sqrt(1.0 - 4.0 * a)
+        wb = w.omega * jnp.sqrt(1.0 - 4.0 * a)[..., None, :]          # rows √(1−4a_l)·ω_l
         m = w.omega.shape[-2]
         # per-feature constant: Σ_l ¼log(1−4a_l) + a_l ω_l², half the log-weight, and 1/√M
         const = (0.25 * jnp.sum(jnp.log1p(-4.0 * a), -1)[..., None]
                  + jnp.einsum("...md,...d->...m", w.omega * w.omega, a)
                  + 0.5 * w.log_weights - 0.5 * math.log(m))
-        proj = u @ _mT(w.omega * b[..., None, :])
-        return proj - 0.5 * jnp.sum(u * u, -1, keepdims=True) + const[..., None, :], None
+        kind = params.transform
+        if kind == "identity":
+            proj = u @ _mT(wb)
+        else:
+            proj = u @ (t @ _mT(wb))                                   # T folded into the projection
+        if kind in ("identity", "orthogonal"):
+            sq = jnp.sum(u * u, -1, keepdims=True)
+        elif kind == "diagonal":
+            sq = (u * u) @ (jnp.diagonal(t, axis1=-2, axis2=-1) ** 2)[..., :, None]
+        else:
+            ut = u @ t
+            sq = jnp.sum(ut * ut, -1, keepdims=True)
+        return proj - 0.5 * sq + const[..., None, :], None
 
     def query_log_features(self, x, w, params):
         return self._log_features(x, params.tq, w, params)
@@ -291,6 +305,7 @@ class SADERF(ExponentialMechanism):
     """Simplified asymmetric DERF: x → Ψx, y → Ψ⁻¹y, ψ_l = (E y_l² / E x_l²)^¼, then OPRF."""
 
     name = "saderf"
+    TRANSFORM = "diagonal"
 
     def _transforms(self, x, wx, y, wy):
         tiny = 1e-12
@@ -310,6 +325,7 @@ class ADERF(ExponentialMechanism):
     """
 
     name = "aderf"
+    TRANSFORM = "dense"
 
     def _transforms(self, x, wx, y, wy):
         m1, m2 = stats.second_moment(x, wx), stats.second_moment(y, wy)
@@ -324,6 +340,7 @@ class SDERF(ExponentialMechanism):
     """Symmetric DERF: N = M₁ + M₂ + x̄ȳᵀ + ȳx̄ᵀ = U diag(λ) Uᵀ, a_l = (1 − 1/ρ*(λ_l, 1))/8."""
 
     name = "sderf"
+    TRANSFORM = "orthogonal"
 
     def _transforms(self, x, wx, y, wy):
         xm, ym = stats.mean(x, wx), stats.mean(y, wy)

@@ -1,0 +1,179 @@
+"""Benchmarks: `python -m favor.bench attention [--lengths 512,1024] [--kinds favor+,softmax]`.
+
+Every figure of one run is also written as a ratio to figures measured in the same run (machines are
+shared and noisy; ratios travel, seconds do not): to exact softmax attention, and to a plain matmul
+with the same FLOP count (XLA's cost analysis of the compiled kind). Peak memory is XLA's compiled
+buffer footprint (arguments + outputs + temporaries) of the jitted function.
+
+Writes BENCHMARKS.md (the section between its attention markers is replaced) and
+bench/attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from favor import attention
+
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+B, H, D, M = 1, 4, 64, 256
+BEGIN, END = "<!-- attention-benchmark:begin -->", "<!-- attention-benchmark:end -->"
+
+
+def _timed(fn, args, repeats, min_seconds=0.3):
+    jax.block_until_ready(fn(*args))                  # warm (compiled already)
+    times = []
+    t_start = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - t_start < min_seconds and len(times) < 50):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _compile(fn, args):
+    compiled = jax.jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    peak = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                         + mem.temp_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    return compiled, peak, flops
+
+
+def matmul_seconds(flops, repeats):
+    """Time of one square float32 matmul doing `flops` (2n³) floating-point operations."""
+    n = max(16, int(round((flops / 2.0) ** (1.0 / 3.0))))
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a, b: a @ b)
+    return _timed(f, (a, a), repeats) * flops / (2.0 * n ** 3)
+
+
+def kind_options(kind):
+    if kind in ("softmax", "relu", "elu"):
+        return {}
+    opts = {"num_features": M, "redraw": "step"}
+    if kind == "hrf":
+        opts = {"num_features": 16, "num_lambda_features": 8, "redraw": "step"}   # HRF-A(16, 8)
+    return opts
+
+
+def measure(kind, length, causal, repeats):
+    attn = attention.get(kind, **kind_options(kind))
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
+    rng = ks[3]
+
+    def fwd(q, k, v, rng):
+        return attn(q, k, v, causal=causal, rng=rng)
+
+    def fwd_bwd(q, k, v, rng):
+        return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, causal=causal, rng=rng)), argnums=(0, 1, 2))(q, k, v)
+
+    row = {"kind": kind, "length": length, "causal": causal}
+    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        compiled, peak, flops = _compile(fn, (q, k, v, rng))
+        seconds = _timed(compiled, (q, k, v, rng), repeats)
+        row[name] = {"seconds": seconds, "peak_bytes": peak, "flops": flops,
+                     "matmul_seconds": matmul_seconds(flops, repeats) if flops > 0 else None}
+    return row
+
+
+def run(kinds, lengths, repeats, out_dir):
+    rows = []
+    for length in lengths:
+        for causal in (False, True):
+            for kind in kinds:
+                t0 = time.perf_counter()
+                try:
+                    row = measure(kind, length, causal, repeats)
+                except Exception as e:   # e.g. out of memory for exact softmax at long L: recorded, not fatal
+                    row = {"kind": kind, "length": length, "causal": causal, "error": f"{type(e).__name__}: {e}"[:200]}
+                rows.append(row)
+                fwd = row.get("fwd", {}).get("seconds")
+                print(f"L={length:>6} {'causal' if causal else 'bidir ':6} {kind:<8} "
+                      f"fwd={fwd if fwd is None else f'{fwd * 1e3:9.2f}ms'} ({time.perf_counter() - t0:.0f}s)",
+                      flush=True)
+    return rows
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def table(rows):
+    by = {(r["kind"], r["length"], r["causal"]): r for r in rows}
+    lines = ["| L | mode | kind | fwd ms | fwd / matmul | fwd / softmax | fwd+bwd ms | fwd+bwd / matmul | "
+             "softmax / fwd+bwd | fwd+bwd peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f="{:.2f}": "—" if x is None else f.format(x)
+    for r in rows:
+        mode = "causal" if r["causal"] else "bidir"
+        if "error" in r:
+            lines.append(f"| {r['length']} | {mode} | {r['kind']} | {r['error']} |||||||")
+            continue
+        sm = by.get(("softmax", r["length"], r["causal"]), {})
+        f, fb = r["fwd"], r["fwd_bwd"]
+        lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            r["length"], mode, r["kind"], fmt(f["seconds"] * 1e3), fmt(_ratio(f["seconds"], f["matmul_seconds"])),
+            fmt(_ratio(f["seconds"], sm.get("fwd", {}).get("seconds"))), fmt(fb["seconds"] * 1e3),
+            fmt(_ratio(fb["seconds"], fb["matmul_seconds"])),
+            fmt(_ratio(sm.get("fwd_bwd", {}).get("seconds"), fb["seconds"]), "{:.1f}"),
+            fmt(None if fb["peak_bytes"] is None else fb["peak_bytes"] / 2 ** 20, "{:.0f}")))
+    return "\n".join(lines)
+
+
+def write(rows, out_dir, argv):
+    out_dir = Path(out_dir)
+    (out_dir / "bench").mkdir(parents=True, exist_ok=True)
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": str(jax.devices()),
+            "cpu_count": os.cpu_count(), "machine": platform.machine(), "B": B, "H": H, "D": D, "M": M,
+            "command": "python -m favor.bench " + " ".join(argv)}
+    (out_dir / "bench" / "attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    body = (f"{BEGIN}\n## Attention (`{meta['command']}`)\n\n"
+            f"B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
+            f"({meta['cpu_count']} cores), jax {meta['jax']}. Ratios are within this one run; "
+            f"'matmul' is a square matmul with the kind's own FLOP count. Raw figures: bench/attention.json.\n\n"
+            f"{table(rows)}\n{END}")
+    md = out_dir / "BENCHMARKS.md"
+    text = md.read_text() if md.exists() else "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + body + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + body + "\n"
+    md.write_text(text)
+
+
+def main(argv=None):
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m favor.bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("attention", help="every attention kind, bidirectional and causal")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--kinds", default=",".join(attention.names()))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=".")
+    args = parser.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    for k in kinds:
+        if k not in attention.names():
+            parser.error(f"unknown kind {k!r}; valid: {', '.join(attention.names())}")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = run(kinds, lengths, args.repeats, args.out)
+    write(rows, args.out, argv)
+    print(f"wrote {Path(args.out) / 'BENCHMARKS.md'} and {Path(args.out) / 'bench' / 'attention.json'}")
+
+
+if __name__ == "__main__":
+    main()
