@@ -5,8 +5,8 @@ shared and noisy; ratios travel, seconds do not): to exact softmax attention, an
 with the same FLOP count (XLA's cost analysis of the compiled kind). Peak memory is XLA's compiled
 buffer footprint (arguments + outputs + temporaries) of the jitted function.
 
-Writes BENCHMARKS.md (the section between its attention markers is replaced) and
-bench/attention.json.
+Writes BENCHMARKS.md (the section between its markers is replaced) and bench/<section>.json.
+A kind may carry its variant: `favor#:saderf`, `hrf:gaussian`, `simrf:oprf`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from favor import attention
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 B, H, D, M = 1, 4, 64, 256
-BEGIN, END = "<!-- attention-benchmark:begin -->", "<!-- attention-benchmark:end -->"
+
+
+def markers(section):
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 
 
 def _timed(fn, args, repeats, min_seconds=0.3):
@@ -51,6 +54,11 @@ def _compile(fn, args):
     return compiled, peak, flops
 
 
+def memory_budget():
+    """Half the machine's physical memory: what one compiled function may plan to use."""
+    return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def matmul_seconds(flops, repeats):
     """Time of one square float32 matmul doing `flops` (2n³) floating-point operations."""
     n = max(16, int(round((flops / 2.0) ** (1.0 / 3.0))))
@@ -59,17 +67,22 @@ def matmul_seconds(flops, repeats):
     return _timed(f, (a, a), repeats) * flops / (2.0 * n ** 3)
 
 
-def kind_options(kind):
+def kind_options(spec):
+    """'favor#:saderf' -> ('favor#', {..., variant: 'saderf'}): a kind plus its variant option."""
+    kind, _, variant = spec.partition(":")
     if kind in ("softmax", "relu", "elu"):
-        return {}
+        return kind, {}
     opts = {"num_features": M, "redraw": "step"}
     if kind == "hrf":
         opts = {"num_features": 16, "num_lambda_features": 8, "redraw": "step"}   # HRF-A(16, 8)
-    return opts
+    if variant:
+        opts[{"favor#": "variant", "hrf": "lambda_", "simrf": "features"}.get(kind, "variant")] = variant
+    return kind, opts
 
 
-def measure(kind, length, causal, repeats):
-    attn = attention.get(kind, **kind_options(kind))
+def measure(spec, length, causal, repeats):
+    kind, opts = kind_options(spec)
+    attn = attention.get(kind, **opts)
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
     rng = ks[3]
@@ -80,16 +93,21 @@ def measure(kind, length, causal, repeats):
     def fwd_bwd(q, k, v, rng):
         return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, causal=causal, rng=rng)), argnums=(0, 1, 2))(q, k, v)
 
-    row = {"kind": kind, "length": length, "causal": causal}
+    row = {"kind": spec, "length": length, "causal": causal}
     for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         compiled, peak, flops = _compile(fn, (q, k, v, rng))
+        if peak is not None and peak > memory_budget():
+            # exact softmax at 16k: running it would get the process OOM-killed, losing the run
+            row[name] = {"seconds": None, "peak_bytes": peak, "flops": flops, "matmul_seconds": None,
+                         "skipped": f"needs {peak / 2 ** 30:.1f} GiB > budget {memory_budget() / 2 ** 30:.1f} GiB"}
+            continue
         seconds = _timed(compiled, (q, k, v, rng), repeats)
         row[name] = {"seconds": seconds, "peak_bytes": peak, "flops": flops,
                      "matmul_seconds": matmul_seconds(flops, repeats) if flops > 0 else None}
     return row
 
 
-def run(kinds, lengths, repeats, out_dir):
+def run(kinds, lengths, repeats, out_dir, on_row=None):
     rows = []
     for length in lengths:
         for causal in (False, True):
@@ -100,6 +118,8 @@ def run(kinds, lengths, repeats, out_dir):
                 except Exception as e:   # e.g. out of memory for exact softmax at long L: recorded, not fatal
                     row = {"kind": kind, "length": length, "causal": causal, "error": f"{type(e).__name__}: {e}"[:200]}
                 rows.append(row)
+                if on_row is not None:
+                    on_row(rows)        # written as it goes: a killed run keeps what it measured
                 fwd = row.get("fwd", {}).get("seconds")
                 print(f"L={length:>6} {'causal' if causal else 'bidir ':6} {kind:<8} "
                       f"fwd={fwd if fwd is None else f'{fwd * 1e3:9.2f}ms'} ({time.perf_counter() - t0:.0f}s)",
@@ -124,31 +144,35 @@ def table(rows):
             continue
         sm = by.get(("softmax", r["length"], r["causal"]), {})
         f, fb = r["fwd"], r["fwd_bwd"]
+        ms = lambda x: None if x is None else x * 1e3
+        skip = lambda m, text: "skipped: " + m["skipped"] if "skipped" in m else text
         lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
-            r["length"], mode, r["kind"], fmt(f["seconds"] * 1e3), fmt(_ratio(f["seconds"], f["matmul_seconds"])),
-            fmt(_ratio(f["seconds"], sm.get("fwd", {}).get("seconds"))), fmt(fb["seconds"] * 1e3),
+            r["length"], mode, r["kind"], skip(f, fmt(ms(f["seconds"]))), fmt(_ratio(f["seconds"], f["matmul_seconds"])),
+            fmt(_ratio(f["seconds"], sm.get("fwd", {}).get("seconds"))), skip(fb, fmt(ms(fb["seconds"]))),
             fmt(_ratio(fb["seconds"], fb["matmul_seconds"])),
             fmt(_ratio(sm.get("fwd_bwd", {}).get("seconds"), fb["seconds"]), "{:.1f}"),
             fmt(None if fb["peak_bytes"] is None else fb["peak_bytes"] / 2 ** 20, "{:.0f}")))
     return "\n".join(lines)
 
 
-def write(rows, out_dir, argv):
+def write(rows, out_dir, argv, section="attention-benchmark"):
     out_dir = Path(out_dir)
     (out_dir / "bench").mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": str(jax.devices()),
             "cpu_count": os.cpu_count(), "machine": platform.machine(), "B": B, "H": H, "D": D, "M": M,
             "command": "python -m favor.bench " + " ".join(argv)}
-    (out_dir / "bench" / "attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    body = (f"{BEGIN}\n## Attention (`{meta['command']}`)\n\n"
+    name = "attention" if section == "attention-benchmark" else section
+    (out_dir / "bench" / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    begin, end = markers(section)
+    body = (f"{begin}\n## {section} (`{meta['command']}`)\n\n"
             f"B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
             f"({meta['cpu_count']} cores), jax {meta['jax']}. Ratios are within this one run; "
-            f"'matmul' is a square matmul with the kind's own FLOP count. Raw figures: bench/attention.json.\n\n"
-            f"{table(rows)}\n{END}")
+            f"'matmul' is a square matmul with the kind's own FLOP count. Raw figures: bench/{name}.json.\n\n"
+            f"{table(rows)}\n{end}")
     md = out_dir / "BENCHMARKS.md"
     text = md.read_text() if md.exists() else "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + body + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + body + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + body + "\n"
     md.write_text(text)
@@ -161,17 +185,18 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("attention", help="every attention kind, bidirectional and causal")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    p.add_argument("--kinds", default=",".join(attention.names()))
+    p.add_argument("--kinds", default=",".join(attention.names() + ("favor#:saderf",)))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=".")
+    p.add_argument("--section", default="attention-benchmark",
+                   help="BENCHMARKS.md section (and bench/<section>.json) this run replaces")
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     for k in kinds:
-        if k not in attention.names():
-            parser.error(f"unknown kind {k!r}; valid: {', '.join(attention.names())}")
+        if k.partition(":")[0] not in attention.names():
+            parser.error(f"unknown kind {k!r}; valid: {', '.join(attention.names())} (optionally kind:variant)")
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = run(kinds, lengths, args.repeats, args.out)
-    write(rows, args.out, argv)
+    run(kinds, lengths, args.repeats, args.out, lambda rows: write(rows, args.out, argv, args.section))
     print(f"wrote {Path(args.out) / 'BENCHMARKS.md'} and {Path(args.out) / 'bench' / 'attention.json'}")
 
 

@@ -19,7 +19,7 @@ def test_names():
 
 
 def test_unknown_name_lists_valid_ones():
-    with pytest.raises(ValueError, match="unknown kernel mechanism 'favor\\+\\+'.*oprf.*sderf"):
+    with pytest.raises(ValueError, match="unknown kernel mechanism 'favor\\+\\+'; valid: .*oprf.*sderf"):
         kernels.get("favor++")
 
 

@@ -8,6 +8,7 @@
 """
 
 from favor.attention.dropin import attention_fn
+from favor.registry import build
 from favor.attention.kinds import KINDS, Attention, RandomFeatureAttention, RandomFeatureContext
 
 _REGISTRY = {cls.name: cls for cls in KINDS}
@@ -20,15 +21,7 @@ def names():
 
 def get(kind, **options):
     """An attention kind with options; an unknown kind or option is a ValueError listing valid ones."""
-    if kind not in _REGISTRY:
-        raise ValueError(f"unknown attention kind {kind!r}; valid kinds: {', '.join(_REGISTRY)}")
-    cls = _REGISTRY[kind]
-    bad = sorted(set(options) - set(cls.OPTIONS))
-    if bad:
-        valid = ", ".join(f"{k}={v!r}" for k, v in cls.OPTIONS.items()) or "none"
-        raise ValueError(f"attention {kind!r} got unknown option(s) {', '.join(map(repr, bad))}; "
-                         f"valid options: {valid}")
-    return cls(**{**cls.OPTIONS, **options})
+    return build("attention kind", _REGISTRY, kind, options)
 
 
 __all__ = ["Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn", "get", "names"]
