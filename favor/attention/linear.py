@@ -10,7 +10,6 @@ accumulate in float32 whatever the input dtype.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 DEN_EPS = 1e-6   # denominators are O(1) or larger after stabilisation; this only guards 0 and sign

@@ -155,3 +155,17 @@ class Mechanism(abc.ABC):
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({self.name!r}{', ' if opts else ''}{opts})"
+
+
+class SymmetricMechanism(Mechanism):
+    """A mechanism whose query and key maps are the same function (φ_q = φ_k)."""
+
+    @abc.abstractmethod
+    def log_features(self, u, w, params):
+        """(log|φ(u)|, sign or None), [..., L, F]."""
+
+    def query_log_features(self, x, w, params):
+        return self.log_features(x, w, params)
+
+    def key_log_features(self, y, w, params):
+        return self.log_features(y, w, params)

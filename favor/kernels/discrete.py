@@ -27,7 +27,7 @@ import numpy as np
 from scipy import optimize, special
 
 from favor.kernels import stats
-from favor.kernels.base import Mechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
+from favor.kernels.base import SymmetricMechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
 
 SHIFT_EPS = 1e-2   # the ε of CRT §3.2.3: c_l = min over both sets of the l-th coordinate − ε
 P_BOUNDS = (1e-6, 1.0 - 1e-6)
@@ -73,7 +73,7 @@ def fit_geometric_p(z):
                              vmap_method="sequential")
 
 
-class Discrete(Mechanism):
+class Discrete(SymmetricMechanism):
     positive = False
     OPTIONS = {}
     shifted = False
@@ -107,7 +107,7 @@ class Discrete(Mechanism):
         return IntegerDraw(omega=self._sample(key, params.rate[..., None, None], shape).astype(jnp.float32))
 
     # -- features --------------------------------------------------------------------------------
-    def _log_features(self, u, w, params):
+    def log_features(self, u, w, params):
         u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
         c = params.shift[..., None, :]
         log_shift = jnp.sum(c * u, -1, keepdims=True) - 0.5 * jnp.sum(c * c, -1, keepdims=True)
@@ -122,12 +122,6 @@ class Discrete(Mechanism):
         log_abs = proj + self._log_const(omega, params)[..., None, :] + log_shift \
             - 0.5 * math.log(omega.shape[-2])
         return log_abs, sign
-
-    def query_log_features(self, x, w, params):
-        return self._log_features(x, w, params)
-
-    def key_log_features(self, y, w, params):
-        return self._log_features(y, w, params)
 
     # -- analysis --------------------------------------------------------------------------------
     def log_second_moment(self, x, y, params):

@@ -10,7 +10,7 @@ import math
 
 import jax.numpy as jnp
 
-from favor.kernels.base import Mechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
+from favor.kernels.base import SymmetricMechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
 from favor.kernels.couplings import check_coupling, draw as draw_projections
 
 
@@ -20,7 +20,7 @@ class NoParams:
     dim: int = static(0)
 
 
-class Trig(Mechanism):
+class Trig(SymmetricMechanism):
     name = "trig"
     positive = False
     OPTIONS = {}
@@ -39,19 +39,13 @@ class Trig(Mechanism):
     def feature_dim(self, num_features):
         return 2 * num_features
 
-    def _log_features(self, u, w, params):
+    def log_features(self, u, w, params):
         u = check_rows(u, params.dim, "trig features").astype(jnp.float32)
         proj = u @ jnp.swapaxes(w.omega, -1, -2)
         trig = jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], axis=-1)
         log_abs = (0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.omega.shape[-2])
                    + jnp.log(jnp.abs(trig) + 1e-38))
         return log_abs, jnp.sign(trig)
-
-    def query_log_features(self, x, w, params):
-        return self._log_features(x, w, params)
-
-    def key_log_features(self, y, w, params):
-        return self._log_features(y, w, params)
 
     def log_second_moment(self, x, y, params):
         """One frequency's estimate is e^{(||x||²+||y||²)/2} cos(ωᵀ(x − y)); E cos² = (1 + e^{−2||Δ||²})/2."""
