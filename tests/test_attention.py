@@ -195,6 +195,8 @@ def test_errors_name_the_bad_value():
         attention.get("favor+", redraw="sometimes")
     with pytest.raises(ValueError, match="unknown variant 'derf'"):
         attention.get("favor#", variant="derf")
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer; got 0"):
+        attention.get("elu", chunk_size=0)
     with pytest.raises(ValueError, match="unknown coupling 'qmc'"):
         attention.get("favor++", coupling="qmc")
     q, k, v = qkv()

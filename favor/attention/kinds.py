@@ -85,7 +85,9 @@ class FeatureAttention(Attention, abc.ABC):
 
     def __init__(self, **options):
         super().__init__(**options)
-        self.chunk_size = int(options.get("chunk_size", 128))
+        self.chunk_size = options.get("chunk_size", 128)
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"{self.name}: chunk_size must be a positive integer; got {self.chunk_size!r}")
 
     @abc.abstractmethod
     def features(self, q, k, mask, rng, step):
@@ -102,28 +104,33 @@ class FeatureAttention(Attention, abc.ABC):
         return _to_bhld(out).astype(v.dtype)
 
 
-class ReluAttention(FeatureAttention):
+class ElementwiseAttention(FeatureAttention):
+    """Linear attention with a fixed elementwise feature map φ, the same for queries and keys."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def phi(u):
+        """The feature map, elementwise."""
+
+    def features(self, q, k, mask, rng, step):
+        fq, fk = self.phi(_to_bhld(q)), self.phi(_to_bhld(k))
+        if mask is not None:
+            fk = fk * jnp.asarray(mask, fk.dtype)[:, None, :, None]
+        return fq, fk
+
+
+class ReluAttention(ElementwiseAttention):
     """φ(u) = relu(u): the ReLU linear-attention baseline of the GLUE tables."""
 
     name = "relu"
-
-    def features(self, q, k, mask, rng, step):
-        fq, fk = jax.nn.relu(_to_bhld(q)), jax.nn.relu(_to_bhld(k))
-        if mask is not None:
-            fk = fk * jnp.asarray(mask, fk.dtype)[:, None, :, None]
-        return fq, fk
+    phi = staticmethod(jax.nn.relu)
 
 
-class EluAttention(ReluAttention):
+class EluAttention(ElementwiseAttention):
     """φ(u) = elu(u) + 1 (Katharopoulos et al.)."""
 
     name = "elu"
-
-    def features(self, q, k, mask, rng, step):
-        fq, fk = jax.nn.elu(_to_bhld(q)) + 1.0, jax.nn.elu(_to_bhld(k)) + 1.0
-        if mask is not None:
-            fk = fk * jnp.asarray(mask, fk.dtype)[:, None, :, None]
-        return fq, fk
+    phi = staticmethod(lambda u: jax.nn.elu(u) + 1.0)
 
 
 @pytree_dataclass
