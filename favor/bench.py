@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from favor import attention
+from favor import attention, runtime
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 B, H, D, M = 1, 4, 64, 256
@@ -159,14 +159,16 @@ def write(rows, out_dir, argv, section="attention-benchmark"):
     out_dir = Path(out_dir)
     (out_dir / "bench").mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": str(jax.devices()),
-            "cpu_count": os.cpu_count(), "machine": platform.machine(), "B": B, "H": H, "D": D, "M": M,
+            "cpu_count": os.cpu_count(), "machine": platform.machine(),
+            "malloc_keeps_pages": runtime.keep_host_pages(), "B": B, "H": H, "D": D, "M": M,
             "command": "python -m favor.bench " + " ".join(argv)}
     name = "attention" if section == "attention-benchmark" else section
     (out_dir / "bench" / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     begin, end = markers(section)
     body = (f"{begin}\n## {section} (`{meta['command']}`)\n\n"
             f"B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
-            f"({meta['cpu_count']} cores), jax {meta['jax']}. Ratios are within this one run; "
+            f"({meta['cpu_count']} cores), jax {meta['jax']}, malloc keeps freed pages: "
+            f"{meta['malloc_keeps_pages']} (favor/runtime.py). Ratios are within this one run; "
             f"'matmul' is a square matmul with the kind's own FLOP count. Raw figures: bench/{name}.json.\n\n"
             f"{table(rows)}\n{end}")
     md = out_dir / "BENCHMARKS.md"
@@ -196,6 +198,7 @@ def main(argv=None):
         if k.partition(":")[0] not in attention.names():
             parser.error(f"unknown kind {k!r}; valid: {', '.join(attention.names())} (optionally kind:variant)")
     lengths = [int(x) for x in args.lengths.split(",")]
+    runtime.keep_host_pages()   # for every kind and the yardsticks alike; see favor/runtime.py
     run(kinds, lengths, args.repeats, args.out, lambda rows: write(rows, args.out, argv, args.section))
     print(f"wrote {Path(args.out) / 'BENCHMARKS.md'} and {Path(args.out) / 'bench' / 'attention.json'}")
 

@@ -10,6 +10,7 @@ accumulate in float32 whatever the input dtype.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 DEN_EPS = 1e-6   # denominators are O(1) or larger after stabilisation; this only guards 0 and sign
@@ -28,9 +29,24 @@ def bidirectional(fq, fk, v, positive=True):
     # A column of ones appended to V makes Φ_kᵀ[V, 1] carry the normaliser Φ_kᵀ1 too: one pass over
     # Φ_q gives numerator and denominator.
     v1 = jnp.concatenate([v.astype(f32), jnp.ones((*v.shape[:-1], 1), f32)], -1)
-    kv = jnp.einsum("bhlf,bhld->bhfd", fk.astype(f32), v1)
-    out = jnp.einsum("bhlf,bhfd->bhld", fq.astype(f32), kv)
+    # [V,1]ᵀΦ_k rather than Φ_kᵀ[V,1]: XLA:CPU then contracts L without first transposing the
+    # [L, F] feature array (6.3 ms against 10.6 ms at L = 8192, F = 256, four heads).
+    vk = jnp.einsum("bhld,bhlf->bhdf", v1, fk.astype(f32))
+    out = jnp.einsum("bhlf,bhdf->bhld", fq.astype(f32), vk)
     return out[..., :-1] / guard(out[..., -1], positive)[..., None]
+
+
+def _exclusive_prefix_sum(a, axis):
+    """Σ_{m<n} a_m along `axis`, by a scan carrying one state. XLA:CPU lowers jnp.cumsum to a
+    reduce-window tree that cost 45 of 150 ms of the causal pass at L = 8192 (64 chunks of
+    [65, 256] states per head); the scan is one add per chunk, and linear in the chunk count."""
+    moved = jnp.moveaxis(a, axis, 0)
+
+    def step(total, x):
+        return total + x, total
+
+    _, out = jax.lax.scan(step, jnp.zeros_like(moved[0]), moved)
+    return jnp.moveaxis(out, 0, axis)
 
 
 def causal(fq, fk, v, positive=True, chunk_size=128):
@@ -53,10 +69,10 @@ def causal(fq, fk, v, positive=True, chunk_size=128):
     n = (l + pad) // c
     chunks = lambda a: a.reshape(b, h, n, c, a.shape[-1]).astype(f32)
     q_c, k_c, v_c = chunks(fq), chunks(fk), chunks(v1)
-    kv = jnp.einsum("bhncf,bhncd->bhnfd", k_c, v_c)
-    prefix = jnp.cumsum(jnp.concatenate([jnp.zeros_like(kv[:, :, :1]), kv[:, :, :-1]], axis=2), axis=2)
+    vk = jnp.einsum("bhncd,bhncf->bhndf", v_c, k_c)     # [V,1]ᵀΦ_k per chunk (see bidirectional)
+    prefix = _exclusive_prefix_sum(vk, axis=2)
     scores = jnp.einsum("bhnif,bhnjf->bhnij", q_c, k_c)
     scores = jnp.where(jnp.tril(jnp.ones((c, c), bool)), scores, 0.0)
-    out = jnp.einsum("bhnif,bhnfd->bhnid", q_c, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v_c)
+    out = jnp.einsum("bhnif,bhndf->bhnid", q_c, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v_c)
     out = out.reshape(b, h, n * c, dv + 1)[:, :, :l]
     return out[..., :dv] / guard(out[..., dv], positive)[..., None]
