@@ -240,3 +240,14 @@ def test_nnx_multihead_attention_dropin(kind):
     x2 = x.at[1, 4:].set(7.0)
     out, out2 = mha(x, mask=mask, deterministic=True), mha(x2, mask=mask, deterministic=True)
     np.testing.assert_allclose(np.asarray(out[1, :4]), np.asarray(out2[1, :4]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["favor", "hrf"])
+def test_exact_zero_queries_and_keys_have_finite_gradients(kind):
+    # sin(0) = 0 exactly: log|0| must not put an infinite derivative into the backward pass
+    attn = attention.get(kind, num_features=8)
+    q = jnp.zeros((1, 6, 2, 8)).at[:, :3].set(0.3)
+    k = jnp.zeros((1, 6, 2, 8)).at[:, 2:].set(-0.2)
+    v = jnp.ones((1, 6, 2, 8))
+    grads = jax.grad(lambda q, k: jnp.sum(attn(q, k, v, rng=jax.random.PRNGKey(0)) ** 2), (0, 1))(q, k)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)

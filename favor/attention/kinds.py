@@ -58,7 +58,7 @@ class Softmax(Attention):
 
     name = "softmax"
 
-    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None):
+    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None):
         check_qkv(q, k, v, mask)
         m = None if mask is None else jnp.asarray(mask, bool)[:, None, None, :]
         if causal:
@@ -90,12 +90,13 @@ class FeatureAttention(Attention, abc.ABC):
             raise ValueError(f"{self.name}: chunk_size must be a positive integer; got {self.chunk_size!r}")
 
     @abc.abstractmethod
-    def features(self, q, k, mask, rng, step):
+    def features(self, q, k, mask, rng, step, draw=None):
         """(fq [B,H,Lq,F], fk [B,H,Lk,F]) with padded keys zeroed."""
 
-    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None):
+    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None):
+        """`draw`: a stored `base_draw` (random-feature kinds) used instead of drawing from rng."""
         check_qkv(q, k, v, mask)
-        fq, fk = self.features(q, k, mask, rng, step)
+        fq, fk = self.features(q, k, mask, rng, step, draw)
         vv = _to_bhld(v)
         if causal:
             out = linear.causal(fq, fk, vv, self.positive, self.chunk_size)
@@ -112,7 +113,7 @@ class ElementwiseAttention(FeatureAttention):
     def phi(u):
         """The feature map, elementwise."""
 
-    def features(self, q, k, mask, rng, step):
+    def features(self, q, k, mask, rng, step, draw=None):
         fq, fk = self.phi(_to_bhld(q)), self.phi(_to_bhld(k))
         if mask is not None:
             fk = fk * jnp.asarray(mask, fk.dtype)[:, None, :, None]
@@ -194,15 +195,22 @@ class RandomFeatureAttention(FeatureAttention):
         s = q.shape[-1] ** -0.25
         return _to_bhld(q).astype(jnp.float32) * s, _to_bhld(k).astype(jnp.float32) * s
 
-    def context(self, q, k, mask=None, rng=None, step=None, query_mask=None) -> RandomFeatureContext:
-        """Fit the mechanism on the valid tokens and draw ω."""
+    def base_draw(self, key, dim):
+        """The data-independent draw for head dim `dim` that a model keeps as state."""
+        return self.mech.draw_base(key, self.num_features, dim, self.coupling)
+
+    def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None) -> RandomFeatureContext:
+        """Fit the mechanism on the valid tokens and draw ω (or adapt the stored `draw`)."""
         x, y = self.scaled(q, k)
         if not self.fit_gradients:
             x, y = jax.lax.stop_gradient(x), jax.lax.stop_gradient(y)
         per_head = lambda m, u: None if m is None else jnp.broadcast_to(
             jnp.asarray(m, bool)[:, None, :], u.shape[:-1])
         params = self.mech.fit(x, y, per_head(query_mask, x), per_head(mask, y))
-        w = self.mech.draw(self.draw_key(rng, step), self.num_features, params, self.coupling)
+        if draw is None:
+            w = self.mech.draw(self.draw_key(rng, step), self.num_features, params, self.coupling)
+        else:
+            w = self.mech.adapt_draw(draw, params)
         return RandomFeatureContext(params=params, draw=w)
 
     # -- features ----------------------------------------------------------------------------------
@@ -222,8 +230,8 @@ class RandomFeatureAttention(FeatureAttention):
             fk = jnp.where(valid, fk, 0.0)
         return fq, fk
 
-    def features(self, q, k, mask, rng, step):
-        ctx = self.context(q, k, mask, rng, step, self._query_mask(q, k, mask))
+    def features(self, q, k, mask, rng, step, draw=None):
+        ctx = self.context(q, k, mask, rng, step, self._query_mask(q, k, mask), draw)
         return self.stabilised_features(q, k, mask, ctx)
 
     @staticmethod

@@ -46,6 +46,13 @@ def combine(log_abs: jax.Array, sign: jax.Array | None) -> jax.Array:
     return f if sign is None else sign * f
 
 
+def log_abs_sign(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(log|v|, sign v) for sign-indefinite features. |v| is clamped at the smallest normal float,
+    not offset by it: an offset below it flushes to zero on CPUs, and log(0)'s infinite derivative
+    then turns exact zeros (sin 0 for an all-zero query) into NaN gradients."""
+    return jnp.log(jnp.maximum(jnp.abs(v), jnp.finfo(v.dtype).tiny)), jnp.sign(v)
+
+
 def check_sets(x, y, x_mask=None, y_mask=None, where="fit"):
     """Shape checks shared by every mechanism: clear errors naming the bad shape."""
     x, y = jnp.asarray(x), jnp.asarray(y)
@@ -95,6 +102,18 @@ class Mechanism(abc.ABC):
     @abc.abstractmethod
     def draw(self, key, num_features, params, coupling="iid"):
         """The mechanism's random draw for `num_features` random features."""
+
+    def draw_base(self, key, num_features, dim, coupling="iid"):
+        """The part of a draw that depends on nothing but the key, e.g. the coupled Gaussian ω.
+        Models store it as state (so eval is deterministic and a checkpoint holds it) and turn it
+        into the call's draw with `adapt_draw`. Mechanisms whose draw depends on the data (Poisson
+        and geometric degrees) have none."""
+        raise NotImplementedError(f"{self.name}: the draw depends on the fitted parameters; "
+                                  f"draw it per call with draw(key, num_features, params)")
+
+    def adapt_draw(self, base, params):
+        """The call's draw from a stored `draw_base` and this call's fitted parameters."""
+        return base
 
     def feature_dim(self, num_features: int) -> int:
         """Width F of the feature vectors produced from a draw of `num_features`."""

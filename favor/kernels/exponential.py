@@ -143,11 +143,19 @@ class ExponentialMechanism(Mechanism):
 
     # -- draw ------------------------------------------------------------------------------------
     def draw(self, key, num_features, params, coupling="iid"):
+        return self.adapt_draw(self.draw_base(key, num_features, params.dim, coupling), params)
+
+    def draw_base(self, key, num_features, dim, coupling="iid"):
         check_num_features(num_features)
         check_coupling(coupling)
-        z = gaussian_projections(key, num_features, params.dim, coupling)
+        z = gaussian_projections(key, num_features, dim, coupling)
+        return Projections(omega=z, log_weights=jnp.zeros((num_features,), jnp.float32))
+
+    def adapt_draw(self, base, params):
+        """Importance sampling moves the coupled standard draw z to the proposal: ω = μ + S z."""
         if not params.importance:
-            return Projections(omega=z, log_weights=jnp.zeros((num_features,), jnp.float32))
+            return base
+        z = base.omega
         omega = params.prop_mean[..., None, :] + z @ params.prop_scale  # scale is symmetric
         log_w = (-0.5 * jnp.sum(omega * omega, -1) + 0.5 * jnp.sum(z * z, -1)
                  - 0.5 * params.prop_logdet[..., None])

@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from favor.kernels.base import Mechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
+from favor.kernels.base import (Mechanism, check_num_features, check_rows, check_sets, log_abs_sign, pytree_dataclass, static)
 from favor.kernels.couplings import Projections, check_coupling, draw as draw_projections
 from favor.kernels import stats
 
@@ -52,8 +52,7 @@ class HybridParams:
     dim: int = static(0)
 
 
-def _log_abs_sign(v):
-    return jnp.log(jnp.abs(v) + 1e-38), jnp.sign(v)
+_log_abs_sign = log_abs_sign
 
 
 def _positive_block(u, w):
@@ -102,12 +101,15 @@ class _HybridBase(Mechanism):
         return HybridParams(q_centers=empty, k_centers=empty, lam=jnp.zeros((0, 0)), dim=x.shape[-1])
 
     def draw(self, key, num_features, params, coupling="iid"):
+        return self.draw_base(key, num_features, params.dim, coupling)
+
+    def draw_base(self, key, num_features, dim, coupling="iid"):
         m = check_num_features(num_features)
         check_coupling(coupling)
         kp, kt, kl = jax.random.split(key, 3)
-        return HybridDraw(pos=draw_projections(kp, m, params.dim, coupling),
-                          trig=draw_projections(kt, m, params.dim, coupling),
-                          lam=draw_projections(kl, self.n, params.dim, coupling))
+        return HybridDraw(pos=draw_projections(kp, m, dim, coupling),
+                          trig=draw_projections(kt, m, dim, coupling),
+                          lam=draw_projections(kl, self.n, dim, coupling))
 
     def query_log_features(self, x, w, params):
         return self._features(x, w, params, "q")

@@ -10,7 +10,7 @@ import math
 
 import jax.numpy as jnp
 
-from favor.kernels.base import SymmetricMechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
+from favor.kernels.base import (SymmetricMechanism, check_num_features, check_rows, check_sets, log_abs_sign, pytree_dataclass, static)
 from favor.kernels.couplings import check_coupling, draw as draw_projections
 
 
@@ -33,8 +33,11 @@ class Trig(SymmetricMechanism):
         return NoParams(dim=x.shape[-1])
 
     def draw(self, key, num_features, params, coupling="iid"):
+        return self.draw_base(key, num_features, params.dim, coupling)
+
+    def draw_base(self, key, num_features, dim, coupling="iid"):
         check_num_features(num_features)
-        return draw_projections(key, num_features, params.dim, check_coupling(coupling))
+        return draw_projections(key, num_features, dim, check_coupling(coupling))
 
     def feature_dim(self, num_features):
         return 2 * num_features
@@ -43,9 +46,9 @@ class Trig(SymmetricMechanism):
         u = check_rows(u, params.dim, "trig features").astype(jnp.float32)
         proj = u @ jnp.swapaxes(w.omega, -1, -2)
         trig = jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], axis=-1)
-        log_abs = (0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.omega.shape[-2])
-                   + jnp.log(jnp.abs(trig) + 1e-38))
-        return log_abs, jnp.sign(trig)
+        log_trig, sign = log_abs_sign(trig)
+        log_abs = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.omega.shape[-2]) + log_trig
+        return log_abs, sign
 
     def log_second_moment(self, x, y, params):
         """One frequency's estimate is e^{(||x||²+||y||²)/2} cos(ωᵀ(x − y)); E cos² = (1 + e^{−2||Δ||²})/2."""

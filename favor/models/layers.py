@@ -1,0 +1,162 @@
+"""Blocks the model zoo shares: projections with logical axis names, self-attention over any kind,
+the transformer MLP, rotary positions and the random-feature state.
+
+Every parameter carries `logical_axes` metadata, one name per array dim from
+    "vocab", "embed", "heads", "mlp", "kernel", "classes", or None (never sharded);
+the training loop maps them onto mesh axes with the config's rules. Parameters are created in
+`param_dtype` (float32); layers compute in `dtype` (e.g. bfloat16), LayerNorm in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from favor import attention as attention_lib
+from favor.attention.kinds import RandomFeatureAttention
+
+AXES = ("vocab", "embed", "heads", "mlp", "kernel", "classes")
+
+
+class FeatureDraw(nnx.Variable):
+    """The random projections of one attention layer (its `base_draw`): state, not a parameter.
+
+    Kept out of nnx.Param so that a softmax and a FAVOR model of the same config have the same
+    parameter tree (checkpoints and Hugging Face weights move between them); kept in the model so
+    evaluation is deterministic and a checkpoint holds the ω a run was using. The training loop
+    replaces it on its redraw schedule (`redraw_features`)."""
+
+
+def meta(*axes):
+    for a in axes:
+        if a is not None and a not in AXES:
+            raise ValueError(f"unknown logical axis {a!r}; valid: {AXES} or None")
+    return {"logical_axes": tuple(axes)}
+
+
+def dense(din, dout, axes, *, rngs, dtype=None, param_dtype=jnp.float32, use_bias=True,
+          kernel_init=None):
+    """nnx.Linear [din, dout] whose kernel and bias carry logical axis names."""
+    kw = {} if kernel_init is None else {"kernel_init": kernel_init}
+    return nnx.Linear(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                      kernel_metadata=meta(*axes), bias_metadata=meta(axes[-1]), **kw)
+
+
+def layer_norm(n, eps, *, rngs, param_dtype=jnp.float32, axis="embed"):
+    """LayerNorm computed in float32 whatever the compute dtype (variance in bf16 is too coarse)."""
+    return nnx.LayerNorm(n, epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
+                         scale_metadata=meta(axis), bias_metadata=meta(axis))
+
+
+def attention_spec(attention: Mapping[str, Any]) -> tuple[str, dict]:
+    """{'kind': 'favor#', 'num_features': 128, ...} -> ('favor#', {'num_features': 128, ...})."""
+    spec = dict(attention)
+    if "kind" not in spec:
+        raise ValueError(f"attention config needs a 'kind' (one of {', '.join(attention_lib.names())}); "
+                         f"got {spec}")
+    kind = spec.pop("kind")
+    return kind, spec
+
+
+def rotary(x, positions, base=10000.0):
+    """Rotary position embedding (RoFormer) on [B, L, H, D] with positions [B, L] or [L].
+
+    Rotating q and k by position-dependent angles makes qᵀk depend on the offset only, for the
+    exact kernel and equally for every random-feature estimate of exp(qᵀk) (they are functions of
+    the rotated vectors), so it gives linear attention relative positions at no extra cost."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"rotary positions need an even head dim; got {d}")
+    freqs = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * freqs       # [(B,) L, D/2]
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class SelfAttention(nnx.Module):
+    """Multi-head self-attention with separate query/key/value/output projections (the layout of
+    BERT and ViT checkpoints) over any attention kind.
+
+    Attention dropout drops whole keys (per example, shared by heads and queries) through the key
+    mask: linear attention never forms the attention matrix, so this is the one dropout that means
+    the same for every kind; the normaliser renormalises over the kept keys.
+    """
+
+    def __init__(self, hidden: int, heads: int, attention: Mapping[str, Any], *, rngs: nnx.Rngs,
+                 dropout: float = 0.0, causal: bool = False, use_rotary: bool = False,
+                 dtype=None, param_dtype=jnp.float32):
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not a multiple of the number of heads {heads}")
+        self.heads, self.head_dim = heads, hidden // heads
+        self.causal, self.use_rotary = causal, use_rotary
+        kind, options = attention_spec(attention)
+        self.kind = attention_lib.get(kind, **options)
+        proj = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.query = dense(hidden, hidden, ("embed", "heads"), **proj)
+        self.key = dense(hidden, hidden, ("embed", "heads"), **proj)
+        self.value = dense(hidden, hidden, ("embed", "heads"), **proj)
+        self.out = dense(hidden, hidden, ("heads", "embed"), **proj)
+        self.key_dropout = nnx.Dropout(dropout, rngs=rngs)
+        if isinstance(self.kind, RandomFeatureAttention):
+            self.features = FeatureDraw(self.kind.base_draw(rngs.features(), self.head_dim))
+        else:
+            self.features = None
+
+    def redraw(self, key):
+        if self.features is not None:
+            self.features.set_value(self.kind.base_draw(key, self.head_dim))
+
+    def __call__(self, x, mask=None, *, deterministic: bool = True, positions=None):
+        """x [B, L, hidden], mask [B, L] (True = token) -> [B, L, hidden]."""
+        b, l, _ = x.shape
+        split = lambda t: t.reshape(b, l, self.heads, self.head_dim)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        if self.use_rotary:
+            pos = jnp.arange(l) if positions is None else positions
+            q, k = rotary(q, pos), rotary(k, pos)
+        key_mask = None if mask is None else jnp.asarray(mask, bool)
+        if not deterministic and self.key_dropout.rate > 0:
+            kept = self.key_dropout(jnp.ones((b, l), jnp.float32), deterministic=False) > 0
+            key_mask = kept if key_mask is None else key_mask & kept
+        draw = None if self.features is None else self.features.get_value()
+        out = self.kind(q, k, v, mask=key_mask, causal=self.causal, draw=draw)
+        return self.out(out.reshape(b, l, self.heads * self.head_dim).astype(x.dtype))
+
+
+class Mlp(nnx.Module):
+    """hidden -> mlp -> hidden with an activation between and dropout after."""
+
+    def __init__(self, hidden: int, mlp: int, *, rngs: nnx.Rngs, activation=None, dropout=0.0,
+                 dtype=None, param_dtype=jnp.float32):
+        proj = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.intermediate = dense(hidden, mlp, ("embed", "mlp"), **proj)
+        self.output = dense(mlp, hidden, ("mlp", "embed"), **proj)
+        self.activation = activation or (lambda u: jax.nn.gelu(u, approximate=False))
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x, *, deterministic: bool = True):
+        h = self.activation(self.intermediate(x))
+        return self.dropout(self.output(h), deterministic=deterministic)
+
+
+def attention_layers(model: nnx.Module):
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, SelfAttention)]
+
+
+def redraw_features(model: nnx.Module, key) -> None:
+    """Fresh ω for every random-feature attention layer of `model`, each from its own fold of key."""
+    for i, layer in enumerate(attention_layers(model)):
+        layer.redraw(jax.random.fold_in(key, i))
+
+
+def logical_axes(model: nnx.Module):
+    """The parameter tree with each leaf replaced by its tuple of logical axis names."""
+    params = nnx.state(model, nnx.Param)
+    return jax.tree.map(lambda v: v.get_metadata().get("logical_axes", (None,) * len(v.get_value().shape)), params,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))

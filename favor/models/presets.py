@@ -1,0 +1,52 @@
+"""Every model size in one place: family -> defaults, and preset name -> the sizes that differ.
+
+"tiny" is test-sized in every family (compiles and runs in seconds on a CPU); "small", "base" and
+"large" are the published sizes: BERT-small (Turc et al. 2019, 4 layers × 512), BERT-base/large
+(Devlin et al. 2019), ViT-S/16, ViT-B/16, ViT-L/16 (Dosovitskiy et al. 2021), and for the Conformer
+"small" is CRT Table 6 (17 layers, 4 heads, 256 hidden) with "base"/"large" scaled from it.
+"""
+
+from __future__ import annotations
+
+DEFAULT_ATTENTION = {"kind": "softmax"}
+
+DEFAULTS = {
+    "bert": dict(vocab_size=30522, hidden=768, num_layers=12, heads=12, mlp_dim=3072, max_positions=512,
+                 type_vocab_size=2, dropout=0.1, attention_dropout=0.1, layer_norm_eps=1e-12,
+                 attention=DEFAULT_ATTENTION, head="mlm", num_labels=2, pooler=True,
+                 dtype="float32", param_dtype="float32"),
+    "vit": dict(image_size=224, patch_size=16, channels=3, hidden=768, num_layers=12, heads=12,
+                mlp_dim=3072, num_classes=1000, pool="cls", pooler=False, dropout=0.0,
+                attention_dropout=0.0, layer_norm_eps=1e-12, attention=DEFAULT_ATTENTION,
+                dtype="float32", param_dtype="float32"),
+    "conformer": dict(features=80, vocab_size=256, hidden=256, num_layers=17, heads=4, mlp_ratio=4,
+                      conv_kernel=31, conv_norm="batch", subsampling_channels=256, dropout=0.1,
+                      attention_dropout=0.0, layer_norm_eps=1e-5, attention=DEFAULT_ATTENTION,
+                      dtype="float32", param_dtype="float32"),
+}
+
+PRESETS = {
+    "bert": {
+        "tiny": dict(vocab_size=1024, hidden=64, num_layers=2, heads=2, mlp_dim=128, max_positions=128),
+        "mini": dict(hidden=256, num_layers=4, heads=4, mlp_dim=1024),
+        "small": dict(hidden=512, num_layers=4, heads=8, mlp_dim=2048),
+        "base": dict(),
+        "large": dict(hidden=1024, num_layers=24, heads=16, mlp_dim=4096),
+    },
+    "vit": {
+        "tiny": dict(image_size=32, patch_size=4, hidden=64, num_layers=2, heads=2, mlp_dim=128,
+                     num_classes=10),
+        "mini": dict(hidden=192, num_layers=12, heads=3, mlp_dim=768),           # ViT-Ti/16
+        "small": dict(hidden=384, num_layers=12, heads=6, mlp_dim=1536),         # ViT-S/16
+        "base": dict(),                                                          # ViT-B/16
+        "large": dict(hidden=1024, num_layers=24, heads=16, mlp_dim=4096),       # ViT-L/16
+    },
+    "conformer": {
+        "tiny": dict(features=16, vocab_size=32, hidden=64, num_layers=2, heads=2, conv_kernel=7,
+                     subsampling_channels=32),
+        "mini": dict(hidden=144, num_layers=8, heads=4, subsampling_channels=144),
+        "small": dict(),                                                          # CRT Table 6
+        "base": dict(hidden=512, num_layers=17, heads=8, subsampling_channels=512),
+        "large": dict(hidden=1024, num_layers=17, heads=16, subsampling_channels=1024),
+    },
+}
