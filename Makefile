@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) train.py
+	$(PY) train.py --config configs/default.py --workdir runs/default
 
 test: $(STAMP)
 	$(PY) -m pytest -q

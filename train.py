@@ -1,13 +1,51 @@
-"""favor's entry point for training jobs.
+"""favor's entry point: pretraining, fine-tuning and ablations are all
 
-Until the training loop lands (issue 5: configs, sharded jit loop, orbax resume), `make train`
-runs the kernel-estimation demo: every random-feature mechanism's relative MSE on a fixed
-attention-like dataset (d = 64, M = 128), measured next to its analytic value.
+    python train.py --config configs/<file>.py[:args] --workdir DIR [--config.a.b=value ...]
+
+Configs are locked: overriding a key the config does not have is an error naming it.
 """
 
+import logging
 import sys
 
-from favor import demo
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from favor import runtime
+
+FLAGS = flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard logs and summary.json")
+CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "a configs/*.py file[:args]",
+                                         lock_config=True)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS.value:
+        raise app.UsageError("--workdir is required (where checkpoints, logs and summary.json go)")
+    absl_logging.set_verbosity(absl_logging.WARNING)     # orbax logs every file it writes at INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    favor_log = logging.getLogger("favor")
+    favor_log.addHandler(handler)
+    favor_log.setLevel(logging.INFO)
+    favor_log.propagate = False
+    runtime.keep_host_pages()
+    from favor import trainer   # after flag parsing: a bad flag fails fast, before jax starts
+    config = CONFIG.value
+    summary = trainer.run(config, FLAGS.value)
+    loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
+    report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
+    for k in ("accuracy", "loss"):
+        if k in summary:
+            report.append(f"  eval {k}: {summary[k]:.4f}")
+    if summary["steps_per_second"]:
+        report.append(f"  {summary['steps_per_second']:.1f} steps/s")
+    report.append(f"  checkpoints: {summary['checkpoint_dir']}")
+    report.append(f"  TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")
+    print("\n".join(report), flush=True)
+
 
 if __name__ == "__main__":
-    demo.main(sys.argv[1:])
+    app.run(main, argv=sys.argv)

@@ -16,7 +16,7 @@ DEFAULTS = {
                  attention=DEFAULT_ATTENTION, head="mlm", num_labels=2, pooler=True,
                  dtype="float32", param_dtype="float32"),
     "vit": dict(image_size=224, patch_size=16, channels=3, hidden=768, num_layers=12, heads=12,
-                mlp_dim=3072, num_classes=1000, pool="cls", pooler=False, dropout=0.0,
+                mlp_dim=3072, num_classes=1000, pool="cls", posemb="learn", pooler=False, dropout=0.0,
                 attention_dropout=0.0, layer_norm_eps=1e-12, attention=DEFAULT_ATTENTION,
                 dtype="float32", param_dtype="float32"),
     "conformer": dict(features=80, vocab_size=256, hidden=256, num_layers=17, heads=4, mlp_ratio=4,

@@ -17,6 +17,19 @@ from flax import nnx
 from favor.models.layers import Mlp, SelfAttention, dense, layer_norm, meta
 
 POOLS = ("cls", "mean")
+POSEMBS = ("learn", "sincos2d")
+
+
+def sincos2d(h, w, dim, temperature=10000.0):
+    """Fixed 2-D sine-cosine position embeddings [h·w, dim] (MoCo v3 / big_vision): a quarter of the
+    channels each for sin and cos of the row and of the column at geometric frequencies. A prior that
+    need not be learned, which matters when the images are few (the digits job)."""
+    if dim % 4:
+        raise ValueError(f"vit: posemb 'sincos2d' needs hidden divisible by 4; got {dim}")
+    y, x = jnp.meshgrid(jnp.arange(h, dtype=jnp.float32), jnp.arange(w, dtype=jnp.float32), indexing="ij")
+    omega = 1.0 / temperature ** (jnp.arange(dim // 4, dtype=jnp.float32) / (dim // 4))
+    y, x = y.reshape(-1)[:, None] * omega, x.reshape(-1)[:, None] * omega
+    return jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)], axis=1)
 
 
 class ViTLayer(nnx.Module):
@@ -41,6 +54,8 @@ class ViT(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs, **c):
         if c["pool"] not in POOLS:
             raise ValueError(f"vit: unknown pool {c['pool']!r}; valid: {', '.join(POOLS)}")
+        if c["posemb"] not in POSEMBS:
+            raise ValueError(f"vit: unknown posemb {c['posemb']!r}; valid: {', '.join(POSEMBS)}")
         if c["image_size"] % c["patch_size"]:
             raise ValueError(f"vit: image_size {c['image_size']} is not a multiple of patch_size {c['patch_size']}")
         self.config = dict(c)
@@ -53,7 +68,14 @@ class ViT(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.cls_token = nnx.Param(jnp.zeros((1, 1, h), pdt), **meta(None, None, "embed")) \
             if c["pool"] == "cls" else None
-        self.position_embeddings = nnx.Param(init(rngs.params(), (1, tokens, h), pdt), **meta(None, None, "embed"))
+        if c["posemb"] == "learn":
+            self.position_embeddings = nnx.Param(init(rngs.params(), (1, tokens, h), pdt), **meta(None, None, "embed"))
+        else:   # a constant, not a parameter; the class token (if any) gets none
+            grid = c["image_size"] // p
+            table = sincos2d(grid, grid, h)
+            if c["pool"] == "cls":
+                table = jnp.concatenate([jnp.zeros((1, h)), table], 0)
+            self.position_embeddings = nnx.Variable(table[None].astype(pdt))
         self.embedding_dropout = nnx.Dropout(c["dropout"], rngs=rngs)
         self.layers = nnx.List([ViTLayer(c, rngs=rngs) for _ in range(c["num_layers"])])
         self.norm = layer_norm(h, c["layer_norm_eps"], rngs=rngs, param_dtype=pdt)

@@ -1,0 +1,87 @@
+"""Checkpoints with orbax: async saves, keep K, restore the newest checkpoint that is whole.
+
+orbax writes each step into a temporary directory and renames it when every file is on disk, so a
+process killed mid-write leaves no step that `all_steps()` lists. A step that is listed but damaged
+afterwards (a truncated or deleted file, a flipped byte) must still never be restored: each save
+records a fingerprint of the state (per-leaf sums, computed on device) beside it, and a restore that
+fails or does not reproduce the fingerprint is skipped with a warning and renamed `<step>.damaged-N`
+(kept for inspection, never listed again), falling back to the previous step.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+@jax.jit
+def fingerprint(state):
+    return [jnp.sum(jnp.abs(x.astype(jnp.float32))) + jnp.sum(x.astype(jnp.float32))
+            for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.number)]
+
+
+def _leaves_ok(a, b):
+    return len(a) == len(b) and bool(np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                                 rtol=1e-5, atol=1e-6))
+
+
+class Checkpointer:
+    def __init__(self, directory, keep: int = 3, asynchronous: bool = True):
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                                 enable_async_checkpointing=asynchronous))
+
+    def steps(self):
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state, meta: dict):
+        """Starts an async save of `state` (a pytree of arrays) with a JSON `meta` beside it."""
+        meta = dict(meta, fingerprint=[float(x) for x in jax.device_get(fingerprint(state))])
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self):
+        self.manager.wait_until_finished()
+
+    def restore_latest(self, abstract_state):
+        """(state, meta, step) of the newest whole checkpoint, or None when there is none."""
+        for step in reversed(self.steps()):
+            try:
+                out = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                state, meta = out["state"], dict(out["meta"])
+                if not _leaves_ok(jax.device_get(fingerprint(state)), meta.get("fingerprint", [])):
+                    raise ValueError("its contents do not match the fingerprint saved with it")
+            except Exception as e:   # any damage: skip this step, never load part of it
+                msg = f"checkpoint step {step} in {self.directory} is unreadable or damaged ({type(e).__name__}: " \
+                      f"{str(e)[:200]}); trying the previous one"
+                warnings.warn(msg, stacklevel=2)
+                log.warning(msg)
+                self._set_aside(step)
+                continue
+            return state, meta, step
+        return None
+
+    def _set_aside(self, step):
+        """Rename a damaged step to <step>.damaged-N: kept for inspection, no longer a step, and the
+        rerun may save that step number again."""
+        src = self.directory / str(step)
+        n = 0
+        while (self.directory / f"{step}.damaged-{n}").exists():
+            n += 1
+        if jax.process_index() == 0 and src.exists():
+            src.rename(self.directory / f"{step}.damaged-{n}")
+        self.manager.reload()
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()

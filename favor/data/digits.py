@@ -1,0 +1,42 @@
+"""scikit-learn's handwritten digits (1,797 8×8 grey images of 0-9; shipped inside the package, so
+no download): the embedded default job's data. A fixed stratified split: 1,437 train / 360 test."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from favor.data.arrays import ArraySource
+
+
+class Digits(ArraySource):
+    OPTIONS = {"test_fraction": 0.2, "split_seed": 0, "max_shift": 1}
+
+    def __init__(self, test_fraction=0.2, split_seed=0, max_shift=1):
+        self.max_shift = int(max_shift)
+        try:
+            from sklearn.datasets import load_digits
+            from sklearn.model_selection import train_test_split
+        except ImportError as e:   # pragma: no cover - scikit-learn is a dependency
+            raise RuntimeError("the digits dataset ships with scikit-learn: pip install scikit-learn") from e
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"digits: test_fraction must be in (0, 1); got {test_fraction!r}")
+        d = load_digits()
+        images = (d.images / 16.0).astype(np.float32)[..., None]       # [N, 8, 8, 1] in [0, 1]
+        labels = d.target.astype(np.int32)
+        tr_x, te_x, tr_y, te_y = train_test_split(images, labels, test_size=test_fraction,
+                                                  random_state=split_seed, stratify=labels)
+        self.train = {"image": tr_x, "label": tr_y}
+        self.eval = {"image": te_x, "label": te_y}
+
+    def augment(self, batch, rng):
+        """Random translation by up to `max_shift` pixels (zero fill): 1,437 images are few for a
+        transformer with no locality prior, and shifted digits are still the same digits."""
+        if self.max_shift <= 0:
+            return batch
+        s = self.max_shift
+        img = batch["image"]
+        padded = np.pad(img, ((0, 0), (s, s), (s, s), (0, 0)))
+        dy, dx = rng.integers(0, 2 * s + 1, size=(2, len(img)))
+        h, w = img.shape[1:3]
+        out = np.stack([padded[i, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(len(img))])
+        return dict(batch, image=out)

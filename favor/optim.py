@@ -1,0 +1,78 @@
+"""The optimizer from `config.optim`: AdamW with warmup + cosine/linear/constant decay, gradient
+clipping, a weight-decay mask, and layer-wise learning-rate decay (ViT/BERT fine-tuning).
+
+    optim.name          "adamw" | "sgd"
+    optim.lr            peak learning rate
+    optim.schedule      "cosine" | "linear" | "constant" (after `warmup_steps` of linear warmup)
+    optim.weight_decay  decoupled; applied to matrices and embeddings only (not biases or norms)
+    optim.clip_norm     global-norm clipping (0 = off)
+    optim.layer_decay   1.0 = off; else layer i of n gets lr · layer_decay^(n + 1 − i) (embeddings i = 0,
+                        head i = n + 1), as in BEiT / MAE fine-tuning
+    optim.b1, optim.b2, optim.eps
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import optax
+
+SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def schedule(o, total_steps: int):
+    if o.schedule not in SCHEDULES:
+        raise ValueError(f"unknown optim.schedule {o.schedule!r}; valid: {', '.join(SCHEDULES)}")
+    warmup = min(int(o.warmup_steps), max(total_steps - 1, 0))
+    decay = max(total_steps - warmup, 1)
+    end = o.lr * o.get("end_lr_factor", 0.0)
+    after = {"cosine": optax.cosine_decay_schedule(o.lr, decay, alpha=o.get("end_lr_factor", 0.0)),
+             "linear": optax.linear_schedule(o.lr, end, decay),
+             "constant": optax.constant_schedule(o.lr)}[o.schedule]
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup), after], [warmup])
+
+
+def decay_mask(params):
+    """Weight decay on ≥ 2-D parameters (kernels, embeddings), not on biases and norm scales."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def layer_ids(params, num_layers: int):
+    """Depth of each parameter: 0 for embeddings, i + 1 for block i, num_layers + 1 for the rest
+    (final norm, pooler, heads)."""
+    def depth(path):
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        joined = ".".join(keys)
+        m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", joined)
+        if m:
+            return int(m.group(1)) + 1
+        if re.search(r"embed|cls_token|subsampl", joined):
+            return 0
+        return num_layers + 1
+    return jax.tree_util.tree_map_with_path(lambda path, _: depth(path), params)
+
+
+def make(o, total_steps: int, params=None, num_layers: int | None = None):
+    """(optax transformation, learning-rate schedule)."""
+    if o.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optim.name {o.name!r}; valid: {', '.join(OPTIMIZERS)}")
+    lr = schedule(o, total_steps)
+    parts = []
+    if o.clip_norm:
+        parts.append(optax.clip_by_global_norm(o.clip_norm))
+    if o.name == "adamw":
+        parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
+    else:
+        parts.append(optax.sgd(lr, momentum=o.get("momentum", 0.9)))
+    if o.layer_decay != 1.0:
+        if params is None or num_layers is None:
+            raise ValueError("optim.layer_decay needs the parameter tree and the number of layers")
+        ids = layer_ids(params, num_layers)
+        labels = jax.tree.map(lambda i: f"depth{i}", ids)
+        scales = {f"depth{i}": optax.scale(o.layer_decay ** (num_layers + 1 - i)) for i in range(num_layers + 2)}
+        parts.append(optax.multi_transform(scales, labels))
+    return optax.chain(*parts), lr

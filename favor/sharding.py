@@ -1,0 +1,102 @@
+"""Device mesh, logical-axis rules and global batches.
+
+The mesh has three named axes: "data" (batch), "fsdp" (batch and parameter shards) and "tensor"
+(heads / mlp / vocab shards). `config.mesh` gives their sizes; one may be -1 to take the devices
+the others leave. Model parameters carry logical axis names (favor.models.layers.AXES), and
+`config.sharding_rules` maps each to a mesh axis (or None); a dim that the mapped axis does not
+divide is replicated rather than refused (e.g. 10 classes over 8 devices), so every preset runs on
+every layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+DEFAULT_RULES = {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "mlp": "tensor", "kernel": None,
+                 "classes": None}
+
+
+def mesh_shape(spec: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    unknown = sorted(set(spec) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"unknown mesh axis {', '.join(map(repr, unknown))}; valid: {', '.join(MESH_AXES)}")
+    sizes = {a: int(spec.get(a, 1)) for a in MESH_AXES}
+    free = [a for a, n in sizes.items() if n == -1]
+    if len(free) > 1 or any(n == 0 or n < -1 for n in sizes.values()):
+        raise ValueError(f"mesh {dict(spec)}: sizes must be positive, with at most one -1 (the rest of the devices)")
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(f"mesh {dict(spec)} does not divide the {num_devices} devices "
+                             f"(the fixed axes take {fixed})")
+        sizes[free[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh {dict(spec)} has {math.prod(sizes.values())} devices but {num_devices} are "
+                         f"available; the product of the mesh sizes must equal the device count (or use -1)")
+    return sizes
+
+
+def make_mesh(spec: Mapping[str, int], devices=None) -> jax.sharding.Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(spec, len(devices))
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def spec_for(logical: tuple, shape: tuple, mesh, rules: Mapping[str, Any]) -> P:
+    """PartitionSpec of one parameter from its logical axis names."""
+    out, used = [], set()
+    for name, dim in zip(logical, shape):
+        axis = rules.get(name) if name is not None else None
+        if axis is None or axis in used or dim % mesh.shape[axis]:
+            out.append(None)
+        else:
+            out.append(axis)
+            used.add(axis)
+    return P(*out)
+
+
+def param_shardings(abstract_params, logical_tree, mesh, rules):
+    """NamedShardings for a parameter tree, given the tree of logical axis tuples beside it."""
+    is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+    flat_axes = jax.tree.leaves(logical_tree, is_leaf=is_axes)
+    flat, treedef = jax.tree.flatten(abstract_params)
+    if len(flat_axes) != len(flat):
+        raise ValueError("logical axes do not match the parameter tree")
+    return treedef.unflatten([NamedSharding(mesh, spec_for(a, p.shape, mesh, rules))
+                              for a, p in zip(flat_axes, flat)])
+
+
+def replicated(mesh):
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh):
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def batch_divisor(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch(batch_size: int, mesh, accumulate_steps: int = 1):
+    n = batch_divisor(mesh) * accumulate_steps
+    if batch_size % n:
+        raise ValueError(f"batch_size {batch_size} is not divisible by the data-parallel size "
+                         f"{batch_divisor(mesh)} (mesh data × fsdp){' × accumulate_steps ' + str(accumulate_steps) if accumulate_steps > 1 else ''}")
+    if batch_size % jax.process_count():
+        raise ValueError(f"batch_size {batch_size} is not divisible by the {jax.process_count()} processes")
+
+
+def global_batch(local: Mapping[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    """Each process passes its own slice of the global batch; the result is one global array per key,
+    sharded over the batch axes (the same code runs on one host and on many)."""
+    sharding = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}

@@ -1,0 +1,190 @@
+"""The training loop: end to end, sharded layouts, kill/resume, SIGTERM, damaged checkpoints, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from favor import checkpoint, trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from configs import default as default_config  # noqa: E402
+
+
+def tiny(**overrides):
+    c = default_config.get_config("runlocal")
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+def final_params(workdir):
+    """The parameters of the newest checkpoint, as numpy arrays (no target tree needed)."""
+    steps = sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir() if p.name.isdigit())
+    restored = ocp.StandardCheckpointer().restore(Path(workdir) / "checkpoints" / str(steps[-1]) / "state")
+    return steps[-1], [np.asarray(x) for x in jax.tree.leaves(restored["params"])]
+
+
+def train_cmd(workdir, *flags):
+    return [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/default.py") + ":runlocal",
+            "--workdir", str(workdir), *flags]
+
+
+def test_tiny_config_trains_end_to_end(tmp_path):
+    summary = trainer.run(tiny(), tmp_path)
+    losses = [l for _, l in summary["train_loss_history"]]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.1          # the loss falls
+    assert summary["accuracy"] > 0.15 and summary["step"] == 64        # above chance (0.1) after 64 steps
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["train_loss"] == pytest.approx(summary["train_loss"]) and "accuracy" in saved
+    assert (tmp_path / "checkpoints" / "64").is_dir()
+    assert any((tmp_path / "tensorboard").rglob("events.out.tfevents*"))
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    a = trainer.run(tiny(total_steps=3, checkpoint_every=3), tmp_path / "a")
+    b = trainer.run(tiny(**{"total_steps": 3, "checkpoint_every": 3, "optim.accumulate_steps": 4}), tmp_path / "b")
+    pa, pb = final_params(tmp_path / "a")[1], final_params(tmp_path / "b")[1]
+    assert max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb)) < 1e-5
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+LAYOUTS_SCRIPT = """
+import json, sys
+sys.path.insert(0, {root!r})
+import jax
+from favor import trainer
+from tests.test_train import tiny
+out = {{}}
+for name, mesh in {layouts!r}.items():
+    s = trainer.run(tiny(total_steps=4, checkpoint_every=100, eval_every=4, log_every=1, mesh=mesh), {tmp!r} + "/" + name)
+    out[name] = [l for _, l in s["train_loss_history"]]
+try:
+    trainer.run(tiny(batch_size=12, mesh={{"data": -1}}), {tmp!r} + "/bad")
+except ValueError as e:
+    out["batch_error"] = str(e)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sharded_layouts_on_8_devices_match_one_device(tmp_path):
+    base = trainer.run(tiny(total_steps=4, checkpoint_every=100, eval_every=4, log_every=1), tmp_path / "one")
+    layouts = {"data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},
+               "mixed": {"data": 2, "fsdp": 2, "tensor": 2}}
+    script = LAYOUTS_SCRIPT.format(root=str(ROOT), layouts=layouts, tmp=str(tmp_path))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    expected = [l for _, l in base["train_loss_history"]]
+    for name in layouts:
+        np.testing.assert_allclose(out[name], expected, rtol=2e-4, err_msg=name)
+    assert "batch_size 12 is not divisible by the data-parallel size 8" in out["batch_error"]
+
+
+def _wait_for(pred, proc, timeout=240):
+    t0 = time.time()
+    while not pred():
+        if proc.poll() is not None:
+            raise AssertionError(f"train.py exited early: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+        if time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError("timed out waiting for a checkpoint")
+        time.sleep(0.05)
+
+
+def _has_step(workdir, minimum):
+    d = Path(workdir) / "checkpoints"
+    return d.is_dir() and any(p.name.isdigit() and int(p.name) >= minimum for p in d.iterdir())
+
+
+LONG = ["--config.total_steps=240", "--config.checkpoint_every=40", "--config.eval_every=1000", "--config.log_every=40"]
+
+
+def test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(killed, *LONG), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: _has_step(killed, 80), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps_at_kill = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps_at_kill[-1] < 240                                   # it really was stopped mid-run
+    rerun = subprocess.run(train_cmd(killed, *LONG), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from step" in rerun.stderr
+    whole = tmp_path / "whole"
+    subprocess.run(train_cmd(whole, *LONG), check=True, capture_output=True, timeout=600)
+    (sa, pa), (sb, pb) = final_params(killed), final_params(whole)
+    assert sa == sb == 240
+    assert max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb)) < 1e-6
+
+
+def test_sigterm_saves_the_current_step(tmp_path):
+    proc = subprocess.Popen(train_cmd(tmp_path, "--config.total_steps=100000", "--config.checkpoint_every=100000",
+                                      "--config.eval_every=100000", "--config.log_every=10000"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: any((tmp_path / "tensorboard").rglob("events.out.tfevents*"))
+              if (tmp_path / "tensorboard").is_dir() else False, proc)
+    time.sleep(3.0)                                                  # a few hundred steps in
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["preempted"] and 0 < summary["step"] < 100000
+    assert final_params(tmp_path)[0] == summary["step"]             # the checkpoint is at the current step
+
+
+def test_damaged_latest_checkpoint_is_skipped(tmp_path):
+    trainer.run(tiny(total_steps=16, checkpoint_every=8, keep_checkpoints=3), tmp_path)
+    ckpt_dir = tmp_path / "checkpoints"
+    # a save killed mid-write: only orbax's temporary directory exists; it is never a step
+    (ckpt_dir / "24.orbax-checkpoint-tmp").mkdir()
+    # damage the newest complete step: overwrite its array data files with garbage of the same size
+    for f in (ckpt_dir / "16" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(os.urandom(f.stat().st_size))
+    resumed = tiny(total_steps=16, checkpoint_every=8, keep_checkpoints=3)
+    with pytest.warns(UserWarning, match="checkpoint step 16 .* unreadable or damaged"):
+        summary = trainer.run(resumed, tmp_path)
+    assert summary["step"] == 16        # resumed from step 8 and ran the 8 steps again
+    ck = checkpoint.Checkpointer(ckpt_dir)
+    assert 24 not in ck.steps() and (ckpt_dir / "16.damaged-0").is_dir() and 16 in ck.steps()
+    ck.close()
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path):
+    with pytest.raises(trainer.NonFiniteLoss, match="at step 0"):
+        trainer.run(tiny(**{"optim.lr": float("nan")}), tmp_path)
+    saved = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()] if (tmp_path / "checkpoints").exists() else []
+    assert not saved                     # nothing non-finite was saved
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown attention kind 'favour'.*favor\\+\\+"):
+        trainer.run(tiny(**{"model.attention.kind": "favour"}), tmp_path)
+    with pytest.raises(ValueError, match=r"mesh .*'data': 3.* 1 are available"):
+        trainer.run(tiny(mesh={"data": 3}), tmp_path)
+    with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+        trainer.run(tiny(mesh={"model": 1}), tmp_path)
+    with pytest.raises(ValueError, match="unknown dataset 'imagenet2012'; valid: digits"):
+        trainer.run(tiny(data={"name": "imagenet2012"}), tmp_path)
+    bad_key = subprocess.run(train_cmd(tmp_path, "--config.model.atention.kind=favor+"), capture_output=True, text=True,
+                             timeout=300)
+    assert bad_key.returncode != 0 and "atention" in bad_key.stderr
+    bad_kind = subprocess.run(train_cmd(tmp_path, "--config.model.attention.kind=favour"), capture_output=True,
+                              text=True, timeout=300)
+    assert bad_kind.returncode != 0 and "unknown attention kind 'favour'" in bad_kind.stderr
