@@ -2,14 +2,15 @@
 
 A task has
     loss(model, batch, deterministic) -> (scalar loss, {name: scalar})      (train step)
-    eval_sums(model, batch) -> {name: sum over the valid rows}              (eval step)
-    finalize(sums) -> {metric: value}                                       (host, after the split)
+    eval_outputs(model, batch) -> {name: array}    (eval step: sums, or per-example outputs)
+    finalize([outputs of every eval batch]) -> {metric: value}               (host, after the split)
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from favor.registry import build
@@ -38,7 +39,8 @@ class Classification:
         acc = jnp.mean((jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32))
         return loss, {"accuracy": acc}
 
-    def eval_sums(self, model, batch):
+    def eval_outputs(self, model, batch):
+        """Per-batch sums (accuracy and loss decompose over examples)."""
         logits = self._logits(model, batch, True)
         valid = batch["valid"].astype(jnp.float32)
         return {"correct": jnp.sum(valid * (jnp.argmax(logits, -1) == batch["label"])),
@@ -46,12 +48,53 @@ class Classification:
                 "count": jnp.sum(valid)}
 
     @staticmethod
-    def finalize(sums):
-        n = max(float(sums["count"]), 1.0)
-        return {"accuracy": float(sums["correct"]) / n, "loss": float(sums["loss"]) / n}
+    def finalize(outputs):
+        sums = {k: sum(float(o[k]) for o in outputs) for k in outputs[0]}
+        n = max(sums["count"], 1.0)
+        return {"accuracy": sums["correct"] / n, "loss": sums["loss"] / n}
 
 
-_REGISTRY = {"classification": Classification}
+class Glue:
+    """A GLUE task on BERT: cross-entropy (or squared error for STS-B) on the pooled head; eval
+    gathers every prediction of the validation split and reports the GLUE paper's metrics."""
+
+    OPTIONS = {"task": "sst2"}
+
+    def __init__(self, task="sst2"):
+        from favor import metrics
+        if task not in metrics.GLUE_METRICS:
+            raise ValueError(f"unknown GLUE task {task!r}; valid: {', '.join(metrics.GLUE_METRICS)}")
+        self.task, self.regression = task, task == "stsb"
+
+    def _logits(self, model, batch, deterministic):
+        out = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], deterministic=deterministic)
+        return out["logits"].astype(jnp.float32)
+
+    def _losses(self, logits, label):
+        if self.regression:
+            return jnp.square(logits - label)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, label)
+
+    def loss(self, model, batch, deterministic=False):
+        logits = self._logits(model, batch, deterministic)
+        return jnp.mean(self._losses(logits, batch["label"])), {}
+
+    def eval_outputs(self, model, batch):
+        logits = self._logits(model, batch, True)
+        pred = logits if self.regression else jnp.argmax(logits, -1)
+        return {"pred": pred, "label": batch["label"], "valid": batch["valid"],
+                "loss": self._losses(logits, batch["label"])}
+
+    def finalize(self, outputs):
+        from favor import metrics
+        cat = {k: np.concatenate([np.asarray(o[k]) for o in outputs]) for k in outputs[0]}
+        valid = cat["valid"].astype(bool)
+        out = metrics.glue(self.task, cat["pred"], cat["label"], valid)
+        out["loss"] = float(np.mean(cat["loss"][valid]))
+        return out
+
+
+_REGISTRY = {"classification": Classification, "glue": Glue}
 
 
 def names():

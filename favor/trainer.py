@@ -50,6 +50,7 @@ def attention_options(cfg) -> dict:
 def model_builder(config):
     m = config.model.to_dict()
     name, preset = m.pop("name"), m.pop("preset", "tiny")
+    m.pop("init_from", None)                          # a trainer option, not a model one (warm_start)
     m["attention"] = attention_options(config.model.attention)
     full = models.config(name, preset, **m)          # validates every key before anything is built
     seed = int(config.seed)
@@ -57,6 +58,26 @@ def model_builder(config):
     def build():
         return models.get(name, preset, rngs=nnx.Rngs(params=seed, dropout=seed + 1, features=seed + 2), **m)
     return build, full
+
+
+def warm_start(config, abstract_params, shardings):
+    """Parameters from a Hugging Face checkpoint (`model.init_from = "hf:<dir>"`): uptraining a softmax
+    BERT/ViT as a FAVOR model. The checkpoint's architecture must match the config's model."""
+    spec = str(config.model.init_from)
+    kind, _, path = spec.partition(":")
+    if kind != "hf" or not path:
+        raise ValueError(f"model.init_from {spec!r}: expected 'hf:<Hugging Face model directory>'")
+    keep = {k: v for k, v in config.model.to_dict().items() if k in ("head", "num_labels", "dropout",
+                                                                       "attention_dropout", "dtype")}
+    loaded = models.hf.load(path, attention=attention_options(config.model.attention), **keep)
+    params = nnx.state(loaded, nnx.Param)
+    want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), abstract_params)
+    got = jax.tree.map(lambda a: (a.shape, str(a.dtype)), params)
+    if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
+        raise ValueError(f"model.init_from {path}: the checkpoint's model differs from config.model "
+                         f"(set the config's sizes to the checkpoint's config.json)")
+    log.info("warm start from %s", path)
+    return jax.device_put(params, shardings)
 
 
 def features_key(config, step):
@@ -160,14 +181,12 @@ def run(config, workdir) -> dict:
         model = nnx.merge(graphdef, params, rest, copy=True)
         if features_key(config, 0)[1]:
             models.redraw_features(model, eval_key)   # one fixed ω for every evaluation of a run
-        return task.eval_sums(model, batch)
+        return task.eval_outputs(model, batch)
 
     def evaluate(state):
-        sums = None
-        for local in source.eval_batches(int(config.eval_batch_size)):
-            out = eval_step(state["params"], state["rest"], sharding.global_batch(local, mesh))
-            sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-        return task.finalize(jax.device_get(sums))
+        outputs = [jax.device_get(eval_step(state["params"], state["rest"], sharding.global_batch(local, mesh)))
+                   for local in source.eval_batches(int(config.eval_batch_size))]
+        return task.finalize(outputs)
 
     # checkpoint: restore the newest whole one, else initialise
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=int(config.keep_checkpoints))
@@ -175,6 +194,8 @@ def run(config, workdir) -> dict:
     if restored is None:
         state = jax.jit(init, out_shardings=state_sh)()
         start = 0
+        if config.model.get("init_from"):
+            state["params"] = warm_start(config, abstract["params"], param_sh)
     else:
         state, meta, start = restored
         log.info("resumed from step %d (%s)", start, ckpt.directory)

@@ -18,7 +18,8 @@ from favor.registry import build
 
 def _registry():
     from favor.data.digits import Digits
-    return {"digits": Digits}
+    from favor.data.glue import Glue
+    return {"digits": Digits, "glue": Glue}
 
 
 def names():

@@ -51,13 +51,18 @@ class ArraySource:
         """Training-time augmentation of a host-local batch; none by default."""
         return batch
 
+    def select(self, arrays: dict, global_rows: np.ndarray, local_rows: np.ndarray) -> dict:
+        """This host's rows of one global batch. Sources that reshape batches (e.g. trim padding to a
+        bucket) decide from `global_rows`, so every host makes the same choice."""
+        return {k: v[local_rows] for k, v in arrays.items()}
+
     def train_batches(self, batch_size: int, start_step: int = 0, seed: int = 0) -> Iterator[dict]:
         step = start_step
         while True:
-            rows = self._local(self.train_indices(batch_size, step, seed))
+            rows = self.train_indices(batch_size, step, seed)
             # the augmentation draw is a function of (seed, step, host) too: resumable
             rng = np.random.default_rng([seed, step, jax.process_index(), 1])
-            yield self.augment({k: v[rows] for k, v in self.train.items()}, rng)
+            yield self.augment(self.select(self.train, rows, self._local(rows)), rng)
             step += 1
 
     def eval_batches(self, batch_size: int) -> Iterator[dict]:
@@ -65,7 +70,7 @@ class ArraySource:
         for start in range(0, n, batch_size):
             rows = np.arange(start, start + batch_size)
             valid = rows < n
-            rows = self._local(np.where(valid, rows, 0))
-            batch = {k: v[rows] for k, v in self.eval.items()}
+            rows = np.where(valid, rows, 0)
+            batch = self.select(self.eval, rows, self._local(rows))
             batch["valid"] = self._local(valid)
             yield batch

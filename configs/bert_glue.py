@@ -1,0 +1,67 @@
+"""BERT fine-tuning on a GLUE task, with any attention kind (uptraining a softmax BERT as FAVOR).
+
+    python train.py --config configs/bert_glue.py:task=sst2,vocab=/ckpt/bert-base-uncased/vocab.txt \\
+        --workdir runs/glue-sst2 --config.model.init_from=hf:/ckpt/bert-base-uncased \\
+        --config.model.attention.kind=favor++
+
+Model sizes are CRT Table 4's base model (12 layers, 12 heads, 768 hidden, M = 256 features, dropout
+and attention dropout 0.1); fine-tuning follows the BERT paper (Adam, lr 2e-5, batch 32, 3 epochs,
+10 % linear warmup then linear decay, sequences up to 128 tokens). Expected on GLUE dev with a
+pretrained checkpoint: the BERT-base range (e.g. SST-2 ≈ 92-93 % for softmax; FAVOR kinds a few
+points lower without MLM uptraining). Data: TFDS `glue/<task>` prepared in `data_dir`.
+
+Args: task=<cola|sst2|mrpc|qqp|stsb|mnli|qnli|rte|wnli>, vocab=<vocab.txt>, runlocal (tiny model).
+"""
+
+import ml_collections
+
+from favor.data.glue import FIELDS, NUM_LABELS
+from favor.sharding import DEFAULT_RULES
+
+TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb": 5749, "mnli": 392702,
+               "qnli": 104743, "rte": 2490, "wnli": 635}
+
+
+def get_config(arg=None):
+    args = dict(part.partition("=")[::2] for part in (arg or "").split(",") if part)
+    task = args.pop("task", "sst2")
+    if task not in FIELDS:
+        raise ValueError(f"configs/bert_glue.py: unknown task {task!r}; valid: {', '.join(FIELDS)}")
+    vocab = args.pop("vocab", "vocab.txt")
+    runlocal = "runlocal" in args
+    args.pop("runlocal", None)
+    if args:
+        raise ValueError(f"configs/bert_glue.py: unknown arg(s) {', '.join(args)}; valid: task, vocab, runlocal")
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.batch_size = 32
+    c.total_steps = max(1, 3 * TRAIN_SIZES[task] // c.batch_size)
+    c.eval_batch_size = 128
+    c.checkpoint_every, c.eval_every, c.log_every, c.keep_checkpoints = 2000, 2000, 100, 2
+    c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
+    c.sharding_rules = dict(DEFAULT_RULES)
+    c.data = {"name": "glue", "task": task, "tokenizer": f"wordpiece:{vocab}", "max_length": 128,
+              "buckets": (32, 64, 128), "data_dir": None, "eval_split": "validation", "max_examples": 0}
+    c.task = {"name": "glue", "task": task}
+    c.model = ml_collections.ConfigDict()
+    c.model.name, c.model.preset = "bert", "base"
+    c.model.head = "regression" if task == "stsb" else "classification"
+    c.model.num_labels = NUM_LABELS.get(task, 2)
+    c.model.dropout, c.model.attention_dropout = 0.1, 0.1
+    c.model.dtype = "float32"
+    c.model.init_from = ""
+    c.model.attention = {"kind": "favor++", "num_features": 256, "coupling": "orthogonal", "redraw": "step"}
+    c.optim = ml_collections.ConfigDict(dict(name="adamw", lr=2e-5, schedule="linear",
+                                             warmup_steps=c.total_steps // 10, weight_decay=0.01, clip_norm=1.0,
+                                             layer_decay=1.0, b1=0.9, b2=0.999, eps=1e-6, accumulate_steps=1,
+                                             end_lr_factor=0.0))
+    if runlocal:
+        c.model.preset = "tiny"
+        c.model.vocab_size, c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim = 32, 32, 1, 2, 48
+        c.model.max_positions = 64
+        c.model.attention.num_features = 16
+        c.data.max_length, c.data.buckets = 32, (16, 32)
+        c.total_steps, c.batch_size, c.eval_batch_size = 12, 8, 16
+        c.checkpoint_every, c.eval_every, c.log_every = 6, 12, 3
+        c.optim.lr, c.optim.warmup_steps = 1e-3, 2
+    return c

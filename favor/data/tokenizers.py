@@ -1,0 +1,97 @@
+"""Tokenizers by spec string: "wordpiece:<vocab.txt>[:cased]" for Hugging Face BERT checkpoints
+(their WordPiece vocabulary through the `tokenizers` library, so text is split exactly as BERT's own
+tokenizer does) and "sentencepiece:<model>" for models trained here.
+
+Every tokenizer encodes single sentences and pairs as BERT does: [CLS] a [SEP] (b [SEP]), token type
+0 for the first segment and 1 for the second, truncated longest-first to `max_length`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+KINDS = ("wordpiece", "sentencepiece")
+
+
+class Tokenizer:
+    cls_id: int
+    sep_id: int
+    pad_id: int
+    mask_id: int
+    vocab_size: int
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def encode(self, first: list[str], second: list[str] | None, max_length: int):
+        """(input_ids, token_type_ids, attention_mask), each [N, max_length] int32 (padded)."""
+        if max_length < 3 + (second is not None):
+            raise ValueError(f"max_length {max_length} leaves no room for text")
+        a = self.ids(first)
+        b = self.ids(second) if second is not None else [None] * len(a)
+        n = len(a)
+        ids = np.full((n, max_length), self.pad_id, np.int32)
+        types = np.zeros((n, max_length), np.int32)
+        for i, (x, y) in enumerate(zip(a, b)):
+            room = max_length - (3 if y is not None else 2)
+            x, y = list(x), list(y) if y is not None else None
+            while len(x) + (len(y) if y is not None else 0) > room:     # longest first, as BERT
+                (x if y is None or len(x) >= len(y) else y).pop()
+            row = [self.cls_id, *x, self.sep_id]
+            seg = [0] * len(row)
+            if y is not None:
+                row += [*y, self.sep_id]
+                seg += [1] * (len(y) + 1)
+            ids[i, :len(row)], types[i, :len(row)] = row, seg
+        return ids, types, (ids != self.pad_id).astype(np.int32)
+
+
+class WordPiece(Tokenizer):
+    def __init__(self, vocab_file, lowercase=True):
+        from tokenizers import BertWordPieceTokenizer
+        vocab_file = Path(vocab_file)
+        if not vocab_file.exists():
+            raise FileNotFoundError(f"WordPiece vocabulary {vocab_file} does not exist (a BERT checkpoint's vocab.txt)")
+        self.tok = BertWordPieceTokenizer(str(vocab_file), lowercase=lowercase)
+        vocab = self.tok.get_vocab()
+        for name in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"):
+            if name not in vocab:
+                raise ValueError(f"{vocab_file} has no {name} token; is it a BERT vocab.txt?")
+        self.cls_id, self.sep_id, self.pad_id, self.mask_id = (vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"))
+        self.vocab_size = len(vocab)
+
+    def ids(self, texts):
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+class SentencePiece(Tokenizer):
+    """A sentencepiece model trained by favor, with pieces [CLS] [SEP] [MASK] as user symbols and
+    pad id 0 (see favor's tokenizer trainer)."""
+
+    def __init__(self, model_file):
+        import sentencepiece as spm
+        if not Path(model_file).exists():
+            raise FileNotFoundError(f"sentencepiece model {model_file} does not exist")
+        self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        piece = self.sp.piece_to_id
+        self.cls_id, self.sep_id, self.mask_id = piece("[CLS]"), piece("[SEP]"), piece("[MASK]")
+        self.pad_id = self.sp.pad_id()
+        if min(self.cls_id, self.sep_id, self.mask_id) == self.sp.unk_id() or self.pad_id < 0:
+            raise ValueError(f"{model_file} lacks [CLS]/[SEP]/[MASK] user symbols or a pad id")
+        self.vocab_size = self.sp.get_piece_size()
+
+    def ids(self, texts):
+        return self.sp.encode(list(texts))
+
+
+def get(spec: str) -> Tokenizer:
+    kind, _, rest = str(spec).partition(":")
+    if kind not in KINDS or not rest:
+        raise ValueError(f"unknown tokenizer {spec!r}; valid: 'wordpiece:<vocab.txt>[:cased]' or "
+                         f"'sentencepiece:<model file>'")
+    if kind == "wordpiece":
+        path, _, case = rest.partition(":")
+        return WordPiece(path, lowercase=case != "cased")
+    return SentencePiece(rest)

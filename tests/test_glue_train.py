@@ -1,0 +1,57 @@
+"""GLUE fine-tuning end to end on TFDS mock data; warm start from a Hugging Face BERT."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from favor import trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from configs import bert_glue  # noqa: E402
+
+LETTERS = "abcdefghij"
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *LETTERS, *(f"##{c}" for c in LETTERS)]
+    path.write_text("\n".join(words + [f"[unused{i}]" for i in range(32 - len(words))]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("task", ["cola", "stsb", "mnli"])
+def test_glue_runlocal_trains_and_reports_the_task_metrics(task, vocab, tmp_path):
+    config = bert_glue.get_config(f"task={task},vocab={vocab},runlocal")
+    with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
+        summary = trainer.run(config, tmp_path)
+    expected = {"cola": {"matthews_corrcoef"}, "stsb": {"pearson", "spearman"}, "mnli": {"accuracy"}}[task]
+    assert expected <= set(summary) and summary["step"] == 12
+    assert all(np.isfinite(summary[m]) for m in expected) and np.isfinite(summary["train_loss"])
+
+
+def test_warm_start_from_hugging_face_bert(vocab, tmp_path):
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    ref = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=48,
+                                                   max_position_embeddings=64, num_labels=2))
+    ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    config = bert_glue.get_config(f"task=sst2,vocab={vocab},runlocal")
+    config.model.init_from = f"hf:{tmp_path / 'hf'}"
+    config.optim.lr = 0.0                      # nothing moves: the final params are the checkpoint's
+    config.total_steps = 2
+    with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+        trainer.run(config, tmp_path / "run")
+    params = trainer.run.last_state["params"]
+    w = np.asarray(params["layers"][0]["attention"]["query"]["kernel"][...])
+    np.testing.assert_allclose(w, ref.bert.encoder.layer[0].attention.self.query.weight.detach().numpy().T, atol=1e-6)
+    config.model.init_from = "bert-base-uncased"
+    with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+        with pytest.raises(ValueError, match="expected 'hf:<Hugging Face model directory>'"):
+            trainer.run(config, tmp_path / "bad")
