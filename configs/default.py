@@ -41,7 +41,7 @@ def get_config(arg=None):
     c.keep_checkpoints = 2
     c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
     c.sharding_rules = dict(DEFAULT_RULES)
-    c.data = {"name": "digits", "test_fraction": 0.2, "split_seed": 0, "max_shift": 0}
+    c.data = {"name": "digits", "test_fraction": 0.2, "split_seed": 0}
     c.task = {"name": "classification", "input": "image", "label_smoothing": 0.1}
 
     c.model = ml_collections.ConfigDict()

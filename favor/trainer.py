@@ -16,7 +16,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -27,7 +26,7 @@ log = logging.getLogger("favor.train")
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """A step produced a non-finite loss, gradient or update; the message names the step."""
 
 
 # -- config -> model ---------------------------------------------------------------------------------
@@ -87,7 +86,11 @@ def features_key(config, step):
     base = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), 0x0F0F)
     if redraw.startswith("every:"):
         step = step // int(redraw.split(":", 1)[1])
-    return jax.random.fold_in(base, step), redraw != "fixed"
+    return jax.random.fold_in(base, step)
+
+
+def redraws(config) -> bool:
+    return str(config.model.attention.get("redraw", "step")) != "fixed"
 
 
 # -- the loop ------------------------------------------------------------------------------------------
@@ -108,7 +111,8 @@ def run(config, workdir) -> dict:
 
     # model (abstract first: shapes and shardings before any memory is used)
     build, model_cfg = model_builder(config)
-    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    abstract_model = nnx.eval_shape(build)
+    graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
     tx, lr_schedule = optim.make(config.optim, total_steps, params=abs_params, num_layers=model_cfg["num_layers"])
 
     def init():
@@ -117,7 +121,7 @@ def run(config, workdir) -> dict:
                 "opt_state": tx.init(params), "bad_step": jnp.full((), -1, jnp.int32)}
 
     abstract = jax.eval_shape(init)
-    logical = models.logical_axes(nnx.eval_shape(build))
+    logical = models.logical_axes(abstract_model)
     param_sh = sharding.param_shardings(abstract["params"], logical, mesh, rules)
     rep = sharding.replicated(mesh)
     opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], param_sh,
@@ -137,8 +141,8 @@ def run(config, workdir) -> dict:
     def train_step(state, batch):
         step = state["step"]
         rest = state["rest"]
-        key, redraw = features_key(config, step)
-        if redraw:
+        if redraws(config):
+            key = features_key(config, step)
             model = nnx.merge(graphdef, state["params"], rest, copy=True)
             models.redraw_features(model, key)
             _, _, rest = nnx.split(model, nnx.Param, ...)
@@ -177,14 +181,19 @@ def run(config, workdir) -> dict:
     eval_key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), 0xE7A1)
 
     @jax.jit
-    def eval_step(params, rest, batch):
+    def eval_rest(params, rest):
+        """The model state evaluation uses: one fixed ω for every evaluation of a run."""
         model = nnx.merge(graphdef, params, rest, copy=True)
-        if features_key(config, 0)[1]:
-            models.redraw_features(model, eval_key)   # one fixed ω for every evaluation of a run
-        return task.eval_outputs(model, batch)
+        models.redraw_features(model, eval_key)
+        return nnx.split(model, nnx.Param, ...)[2]
+
+    @jax.jit
+    def eval_step(params, rest, batch):
+        return task.eval_outputs(nnx.merge(graphdef, params, rest, copy=True), batch)
 
     def evaluate(state):
-        outputs = [jax.device_get(eval_step(state["params"], state["rest"], sharding.global_batch(local, mesh)))
+        rest = eval_rest(state["params"], state["rest"]) if redraws(config) else state["rest"]
+        outputs = [jax.device_get(eval_step(state["params"], rest, sharding.global_batch(local, mesh)))
                    for local in source.eval_batches(int(config.eval_batch_size))]
         return task.finalize(outputs)
 
@@ -292,7 +301,4 @@ def _progress(total, start):
         sys.stderr.flush()
     return show
 
-
-def param_leaves(state):
-    return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
 

@@ -178,3 +178,19 @@ def test_bad_input_is_a_clear_error():
         vit(jnp.zeros((2, 28, 28, 3)))
     with pytest.raises(ValueError, match="input_ids must be"):
         build("bert")(jnp.zeros((12,), jnp.int32))
+
+
+def test_vit_sincos2d_positions_are_fixed_and_two_dimensional():
+    from favor.models.vit import sincos2d
+    table = np.asarray(sincos2d(4, 4, 8))                            # [16, 8]: sin x, cos x, sin y, cos y
+    np.testing.assert_allclose(table[0], [0, 0, 1, 1, 0, 0, 1, 1], atol=1e-7)     # (row 0, col 0)
+    np.testing.assert_allclose(table[1, :2], np.sin([1.0, 0.01]), rtol=1e-6)      # col 1, freqs 1 and 1/100
+    np.testing.assert_allclose(table[4, 4:6], np.sin([1.0, 0.01]), rtol=1e-6)     # row 1
+    learned = build("vit", posemb="learn")
+    fixed = build("vit", posemb="sincos2d", pool="mean")
+    n_params = lambda m: models.param_count(m)
+    assert n_params(learned) - n_params(fixed) == 65 * 64 + 64     # no position table, no class token
+    out = fixed(*inputs("vit")[0])
+    assert out["hidden_states"].shape == (2, 64, 64)
+    with pytest.raises(ValueError, match="unknown posemb 'rope'"):
+        build("vit", posemb="rope")

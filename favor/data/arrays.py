@@ -47,10 +47,6 @@ class ArraySource:
         per = len(rows) // p
         return rows[i * per:(i + 1) * per]
 
-    def augment(self, batch: dict, rng: np.random.Generator) -> dict:
-        """Training-time augmentation of a host-local batch; none by default."""
-        return batch
-
     def select(self, arrays: dict, global_rows: np.ndarray, local_rows: np.ndarray) -> dict:
         """This host's rows of one global batch. Sources that reshape batches (e.g. trim padding to a
         bucket) decide from `global_rows`, so every host makes the same choice."""
@@ -60,9 +56,7 @@ class ArraySource:
         step = start_step
         while True:
             rows = self.train_indices(batch_size, step, seed)
-            # the augmentation draw is a function of (seed, step, host) too: resumable
-            rng = np.random.default_rng([seed, step, jax.process_index(), 1])
-            yield self.augment(self.select(self.train, rows, self._local(rows)), rng)
+            yield self.select(self.train, rows, self._local(rows))
             step += 1
 
     def eval_batches(self, batch_size: int) -> Iterator[dict]:

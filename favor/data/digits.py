@@ -9,10 +9,9 @@ from favor.data.arrays import ArraySource
 
 
 class Digits(ArraySource):
-    OPTIONS = {"test_fraction": 0.2, "split_seed": 0, "max_shift": 1}
+    OPTIONS = {"test_fraction": 0.2, "split_seed": 0}
 
-    def __init__(self, test_fraction=0.2, split_seed=0, max_shift=1):
-        self.max_shift = int(max_shift)
+    def __init__(self, test_fraction=0.2, split_seed=0):
         try:
             from sklearn.datasets import load_digits
             from sklearn.model_selection import train_test_split
@@ -28,15 +27,3 @@ class Digits(ArraySource):
         self.train = {"image": tr_x, "label": tr_y}
         self.eval = {"image": te_x, "label": te_y}
 
-    def augment(self, batch, rng):
-        """Random translation by up to `max_shift` pixels (zero fill): 1,437 images are few for a
-        transformer with no locality prior, and shifted digits are still the same digits."""
-        if self.max_shift <= 0:
-            return batch
-        s = self.max_shift
-        img = batch["image"]
-        padded = np.pad(img, ((0, 0), (s, s), (s, s), (0, 0)))
-        dy, dx = rng.integers(0, 2 * s + 1, size=(2, len(img)))
-        h, w = img.shape[1:3]
-        out = np.stack([padded[i, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(len(img))])
-        return dict(batch, image=out)

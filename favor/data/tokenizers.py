@@ -8,6 +8,7 @@ Every tokenizer encodes single sentences and pairs as BERT does: [CLS] a [SEP] (
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 
 import numpy as np
@@ -15,15 +16,16 @@ import numpy as np
 KINDS = ("wordpiece", "sentencepiece")
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     cls_id: int
     sep_id: int
     pad_id: int
     mask_id: int
     vocab_size: int
 
+    @abc.abstractmethod
     def ids(self, texts: list[str]) -> list[list[int]]:
-        raise NotImplementedError
+        """Token ids of each text, without special tokens."""
 
     def encode(self, first: list[str], second: list[str] | None, max_length: int):
         """(input_ids, token_type_ids, attention_mask), each [N, max_length] int32 (padded)."""
