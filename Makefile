@@ -16,10 +16,10 @@ train: $(STAMP)
 	$(PY) train.py --config configs/default.py --workdir runs/default
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow"
 
 clean:
 	rm -rf $(VENV)

@@ -15,6 +15,11 @@ from ml_collections import config_flags
 from favor import runtime
 
 FLAGS = flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard logs and summary.json")
+MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first (TPU pods and SLURM "
+                              "clusters are detected; elsewhere give the three flags below)")
+COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (implies --multihost)")
+NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the job")
+PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
 CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "a configs/*.py file[:args]",
                                          lock_config=True)
 
@@ -32,14 +37,23 @@ def main(argv):
     favor_log.setLevel(logging.INFO)
     favor_log.propagate = False
     runtime.keep_host_pages()
+    if MULTIHOST.value or COORDINATOR.value:
+        import jax
+        # CPU processes talk through gloo (GPU and TPU backends use their own collectives)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # before any other jax call: every process then sees the global device list
+        jax.distributed.initialize(coordinator_address=COORDINATOR.value, num_processes=NUM_PROCESSES.value,
+                                   process_id=PROCESS_ID.value)
     from favor import trainer   # after flag parsing: a bad flag fails fast, before jax starts
     config = CONFIG.value
     summary = trainer.run(config, FLAGS.value)
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
-    for k in ("accuracy", "loss"):
-        if k in summary:
-            report.append(f"  eval {k}: {summary[k]:.4f}")
+    fixed = {"step", "train_loss", "steps_per_second", "attention", "checkpoint_dir", "tensorboard_dir", "preempted",
+             "train_loss_history", "eval_history"}
+    for k, v in summary.items():
+        if k not in fixed and isinstance(v, float):
+            report.append(f"  eval {k}: {v:.4f}")
     if summary["steps_per_second"]:
         report.append(f"  {summary['steps_per_second']:.1f} steps/s")
     report.append(f"  checkpoints: {summary['checkpoint_dir']}")

@@ -1,4 +1,5 @@
-"""Benchmarks: `python -m favor.bench attention [--lengths 512,1024] [--kinds favor+,softmax]`.
+"""Benchmarks: `python -m favor.bench attention [--lengths 512,1024] [--kinds favor+,softmax]` and
+`python -m favor.bench train --config configs/<file>.py[:args] --metric wer --target 0.5 [-- FLAGS]`.
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not): to exact softmax attention, and to a plain matmul
@@ -7,6 +8,10 @@ buffer footprint (arguments + outputs + temporaries) of the jitted function.
 
 Writes BENCHMARKS.md (the section between its markers is replaced) and bench/<section>.json.
 A kind may carry its variant: `favor#:saderf`, `hrf:gaussian`, `simrf:oprf`.
+
+`train` runs `train.py` as a user would (a fresh process, a fresh workdir) and records the eval
+metric against wall-clock time: time-to-target is the one figure here in seconds, because the target
+itself is a time ("WER below 50 % within 10 minutes on 2 CPU cores").
 """
 
 from __future__ import annotations
@@ -164,14 +169,19 @@ def write(rows, out_dir, argv, section="attention-benchmark"):
             "command": "python -m favor.bench " + " ".join(argv)}
     name = "attention" if section == "attention-benchmark" else section
     (out_dir / "bench" / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    begin, end = markers(section)
-    body = (f"{begin}\n## {section} (`{meta['command']}`)\n\n"
+    body = (f"## {section} (`{meta['command']}`)\n\n"
             f"B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
             f"({meta['cpu_count']} cores), jax {meta['jax']}, malloc keeps freed pages: "
             f"{meta['malloc_keeps_pages']} (favor/runtime.py). Ratios are within this one run; "
             f"'matmul' is a square matmul with the kind's own FLOP count. Raw figures: bench/{name}.json.\n\n"
-            f"{table(rows)}\n{end}")
-    md = out_dir / "BENCHMARKS.md"
+            f"{table(rows)}")
+    replace_section(out_dir, section, body)
+
+
+def replace_section(out_dir, section, body):
+    begin, end = markers(section)
+    body = f"{begin}\n{body}\n{end}"
+    md = Path(out_dir) / "BENCHMARKS.md"
     text = md.read_text() if md.exists() else "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
     if begin in text and end in text:
         text = text[:text.index(begin)] + body + text[text.index(end) + len(end):]
@@ -180,11 +190,59 @@ def write(rows, out_dir, argv, section="attention-benchmark"):
     md.write_text(text)
 
 
+def train(config, metric, target, lower_is_better, flags, out_dir, section, argv):
+    """One train.py run; the eval metric against wall-clock seconds and the time to reach `target`."""
+    import subprocess
+    import sys
+    import tempfile
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="favor-bench-") as workdir:
+        t0 = time.perf_counter()
+        code = subprocess.call([sys.executable, str(root / "train.py"), "--config", config, "--workdir", workdir,
+                                *flags], cwd=root)
+        wall = time.perf_counter() - t0
+        if code:
+            raise SystemExit(f"train.py exited with {code}")
+        summary = json.loads((Path(workdir) / "summary.json").read_text())
+    evals = summary.get("eval_history") or []
+    if not evals or metric not in evals[0]:
+        raise SystemExit(f"metric {metric!r} not in the run's eval metrics {sorted(evals[0]) if evals else []}")
+    met = lambda v: v < target if lower_is_better else v > target
+    first = next((e for e in evals if met(e[metric])), None)
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "command": "python -m favor.bench " + " ".join(argv),
+            "process_seconds": wall, "target": target, "metric": metric,
+            "seconds_to_target": first["seconds"] if first else None}
+    (Path(out_dir) / "bench").mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "bench" / f"{section}.json").write_text(json.dumps({"meta": meta, "evals": evals}, indent=1))
+    keys = [k for k in evals[0] if k not in ("step", "seconds")]
+    rows = ["| step | seconds | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    rows += [f"| {e['step']} | {e['seconds']:.0f} | " + " | ".join(f"{e[k]:.4f}" for k in keys) + " |" for e in evals]
+    verdict = (f"{metric} {'<' if lower_is_better else '>'} {target} first at step {first['step']}, "
+               f"{first['seconds']:.0f} s after the run started" if first else f"{metric} never reached {target}")
+    body = (f"## {section} (`{meta['command']}`)\n\n"
+            f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}; seconds count from the start of "
+            f"`trainer.run` (data preparation, compilation and evaluation included); the whole process took "
+            f"{wall:.0f} s. {verdict}. Raw figures: bench/{section}.json.\n\n" + "\n".join(rows))
+    replace_section(out_dir, section, body)
+    print(verdict)
+    return meta
+
+
 def main(argv=None):
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
+    flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv_main = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(prog="python -m favor.bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("train", help="a train.py run: eval metric against wall-clock time (flags after --)")
+    t.add_argument("--config", required=True, help="configs/<file>.py[:args]")
+    t.add_argument("--metric", required=True, help="an eval metric of the config's task (e.g. wer, accuracy)")
+    t.add_argument("--target", type=float, required=True)
+    t.add_argument("--higher_is_better", action="store_true", help="default: lower is better (error rates)")
+    t.add_argument("--out", default=".")
+    t.add_argument("--section", default="train-benchmark")
     p = sub.add_parser("attention", help="every attention kind, bidirectional and causal")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--kinds", default=",".join(attention.names() + ("favor#:saderf",)))
@@ -192,7 +250,10 @@ def main(argv=None):
     p.add_argument("--out", default=".")
     p.add_argument("--section", default="attention-benchmark",
                    help="BENCHMARKS.md section (and bench/<section>.json) this run replaces")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv_main)
+    if args.what == "train":
+        train(args.config, args.metric, args.target, not args.higher_is_better, flags, args.out, args.section, argv)
+        return
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     for k in kinds:
         if k.partition(":")[0] not in attention.names():

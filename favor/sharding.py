@@ -99,4 +99,24 @@ def global_batch(local: Mapping[str, np.ndarray], mesh) -> dict[str, jax.Array]:
     """Each process passes its own slice of the global batch; the result is one global array per key,
     sharded over the batch axes (the same code runs on one host and on many)."""
     sharding = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+    local = {k: np.asarray(v) for k, v in local.items()}
+    if jax.process_count() > 1:
+        local = _pad_to_common_shape(local)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def _pad_to_common_shape(local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Hosts may trim their rows to different widths (length buckets of speech or text chosen from the
+    rows each host read); one small all-gather of the shapes pads every host to the widest, with zeros,
+    which every source's padding mask reads as "not a token / frame"."""
+    from jax.experimental import multihost_utils
+    keys = sorted(local)
+    dims = np.asarray([d for k in keys for d in local[k].shape[1:]] or [0], np.int32)
+    widest = np.max(multihost_utils.process_allgather(dims), axis=0)
+    out, i = {}, 0
+    for k in keys:
+        a = local[k]
+        want = widest[i:i + a.ndim - 1]
+        i += a.ndim - 1
+        out[k] = np.pad(a, [(0, 0)] + [(0, int(w) - s) for w, s in zip(want, a.shape[1:])])
+    return out

@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -95,6 +96,7 @@ def redraws(config) -> bool:
 
 # -- the loop ------------------------------------------------------------------------------------------
 def run(config, workdir) -> dict:
+    t_start = time.perf_counter()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     total_steps = int(config.total_steps)
@@ -111,6 +113,10 @@ def run(config, workdir) -> dict:
 
     # model (abstract first: shapes and shardings before any memory is used)
     build, model_cfg = model_builder(config)
+    needed = getattr(source, "vocab_size", None)     # a tokenizer's vocabulary must fit the embedding
+    if needed and "vocab_size" in model_cfg and model_cfg["vocab_size"] < needed:
+        raise ValueError(f"config.model.vocab_size {model_cfg['vocab_size']} is smaller than the tokenizer's "
+                         f"{needed} pieces; set --config.model.vocab_size={needed} (or larger)")
     abstract_model = nnx.eval_shape(build)
     graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
     tx, lr_schedule = optim.make(config.optim, total_steps, params=abs_params, num_layers=model_cfg["num_layers"])
@@ -187,7 +193,9 @@ def run(config, workdir) -> dict:
         models.redraw_features(model, eval_key)
         return nnx.split(model, nnx.Param, ...)[2]
 
-    @jax.jit
+    # outputs replicated: every host gets the whole batch's outputs (per-example predictions included),
+    # so the host-side metrics (GLUE F1, WER) see the full split on any number of processes
+    @partial(jax.jit, out_shardings=rep)
     def eval_step(params, rest, batch):
         return task.eval_outputs(nnx.merge(graphdef, params, rest, copy=True), batch)
 
@@ -234,7 +242,7 @@ def run(config, workdir) -> dict:
     # loop
     log_every = int(config.get("log_every", 50))
     batches = source.train_batches(int(config.batch_size), start, int(config.seed))
-    history = {"train_loss": None, "losses": []}
+    history = {"train_loss": None, "losses": [], "evals": []}
     eval_metrics = {}
     t0, s0 = time.perf_counter(), start
     bar = _progress(total_steps, start)
@@ -254,6 +262,7 @@ def run(config, workdir) -> dict:
                 bar(done, m)
             if done % int(config.eval_every) == 0 or last:
                 eval_metrics = evaluate(state)
+                history["evals"].append({"step": done, "seconds": time.perf_counter() - t_start, **eval_metrics})
                 writer.write_scalars(done, {f"eval/{k}": v for k, v in eval_metrics.items()})
                 log.info("step %d eval %s", done, eval_metrics)
             if done % int(config.checkpoint_every) == 0 or last or stop["signal"]:
@@ -275,7 +284,8 @@ def run(config, workdir) -> dict:
     summary = {"step": final_step, "train_loss": history["train_loss"], **eval_metrics,
                "steps_per_second": history.get("steps_per_second"), "attention": config.model.attention.kind,
                "checkpoint_dir": str(ckpt.directory), "tensorboard_dir": str((workdir / "tensorboard").absolute()),
-               "preempted": stop["signal"] is not None, "train_loss_history": history["losses"]}
+               "preempted": stop["signal"] is not None, "train_loss_history": history["losses"],
+               "eval_history": history["evals"]}
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     run.last_state = state       # for tests and notebooks: the final train state

@@ -19,3 +19,17 @@ def test_bench_attention_writes_table_and_json(tmp_path):
     # a second run replaces its section instead of appending another
     bench.main(["attention", "--lengths", "64", "--kinds", "softmax", "--repeats", "1", "--out", str(tmp_path)])
     assert (tmp_path / "BENCHMARKS.md").read_text().count("attention-benchmark:begin") == 1
+
+
+def test_bench_train_records_the_metric_against_time(tmp_path):
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    argv = ["train", "--config", "configs/default.py:runlocal", "--metric", "accuracy", "--target", "0.0",
+            "--higher_is_better", "--out", str(tmp_path), "--section", "digits",
+            "--", "--config.total_steps=4", "--config.eval_every=2", "--config.checkpoint_every=4"]
+    bench.main(argv)
+    data = json.loads((tmp_path / "bench" / "digits.json").read_text())
+    assert [e["step"] for e in data["evals"]] == [2, 4]
+    assert data["evals"][0]["seconds"] < data["evals"][1]["seconds"] < data["meta"]["process_seconds"]
+    assert data["meta"]["seconds_to_target"] == data["evals"][0]["seconds"]     # any accuracy > 0
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "accuracy > 0.0 first at step 2" in md and "| 4 |" in md

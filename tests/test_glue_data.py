@@ -78,6 +78,8 @@ def test_an_epoch_sees_every_example_once(vocab_file):
 
 def test_missing_dataset_says_how_to_prepare_it(vocab_file, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"glue/rte .*not prepared.*tfds build glue/rte"):
+        data.get({"name": "glue", "task": "rte", "tokenizer": f"wordpiece:{vocab_file}", "data_dir": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match=r"data_dir .*no_data does not exist .*tfds build glue/rte"):
         data.get({"name": "glue", "task": "rte", "tokenizer": f"wordpiece:{vocab_file}",
                   "data_dir": str(tmp_path / "no_data")})
     with pytest.raises(ValueError, match="unknown GLUE task 'sst'"):

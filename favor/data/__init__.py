@@ -1,6 +1,5 @@
-"""Data sources, one small interface for all of them, keyed by the name a config gives.
-
-A source yields host-local numpy batches:
+"""Data sources, one small interface for all of them (favor.data.source), keyed by the name a config
+gives. A source yields host-local numpy batches:
 
     source.train_batches(batch_size, start_step, seed)  # infinite, deterministic in (seed, step):
                                                           # a resumed run continues where it stopped
@@ -15,19 +14,21 @@ from __future__ import annotations
 
 from favor.registry import build
 
-
-def _registry():
-    from favor.data.digits import Digits
-    from favor.data.glue import Glue
-    return {"digits": Digits, "glue": Glue}
+_REGISTRY = {
+    "digits": "favor.data.digits:Digits",              # scikit-learn's digits (ships with it)
+    "glue": "favor.data.glue:Glue",                    # TFDS glue/<task>
+    "text": "favor.data.text:MaskedText",              # MLM pretraining on a TFDS text builder
+    "imagenet": "favor.data.imagenet:ImageNet",        # TFDS imagenet2012 (manual download)
+    "speech": "favor.data.speech:Speech",              # TFDS librispeech or the espeak corpus
+}
 
 
 def names():
-    return tuple(_registry())
+    return tuple(_REGISTRY)
 
 
 def get(config):
     """The source a `config.data` block names (its other keys are the source's options)."""
     options = dict(config)
     name = options.pop("name", None)
-    return build("dataset", _registry(), name, options)
+    return build("dataset", _REGISTRY, name, options)

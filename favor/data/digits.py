@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from favor.data.arrays import ArraySource
+from favor.data.source import ArraySource
 
 
 class Digits(ArraySource):

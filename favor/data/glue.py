@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from favor.data import tokenizers
-from favor.data.arrays import ArraySource
+from favor.data.source import ArraySource, check_data_dir
 
 FIELDS = {   # task -> (first text field, second or None, regression?)
     "cola": ("sentence", None, False), "sst2": ("sentence", None, False),
@@ -28,6 +28,7 @@ NUM_LABELS = {"mnli": 3, "stsb": 1}
 def load_split(name: str, split: str, data_dir):
     """A prepared TFDS split as a dict of numpy arrays; a missing dataset says how to prepare it."""
     import tensorflow_datasets as tfds
+    check_data_dir(name, data_dir)
     try:
         builder = tfds.builder(name, data_dir=data_dir)
         ds = builder.as_dataset(split=split)

@@ -87,6 +87,34 @@ class SentencePiece(Tokenizer):
     def ids(self, texts):
         return self.sp.encode(list(texts))
 
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+SPECIAL = ("[CLS]", "[SEP]", "[MASK]")
+
+
+def train_sentencepiece(texts, output, vocab_size: int, model_type: str = "unigram",
+                        character_coverage: float = 1.0, max_sentences: int = 1_000_000) -> SentencePiece:
+    """Train a sentencepiece model on `texts` (an iterable of str) and write `<output>.model`/`.vocab`.
+
+    Ids: 0 = pad (also the CTC blank slot of speech models), 1 = unk, then [CLS] [SEP] [MASK] as user
+    symbols (never split, never produced from text), no bos/eos. Trained on at most `max_sentences`
+    lines (sentencepiece's own random sample of its input)."""
+    import sentencepiece as spm
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lines = (line.strip() for t in texts for line in str(t).splitlines())
+    lines = [line for line in lines if line]
+    if not lines:
+        raise ValueError("train_sentencepiece: no text to train on")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(output.with_suffix("")), vocab_size=int(vocab_size),
+        model_type=model_type, character_coverage=character_coverage, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
+        user_defined_symbols=list(SPECIAL), input_sentence_size=int(max_sentences), shuffle_input_sentence=True,
+        hard_vocab_limit=False, minloglevel=2)
+    return SentencePiece(output.with_suffix(".model"))
+
 
 def get(spec: str) -> Tokenizer:
     kind, _, rest = str(spec).partition(":")

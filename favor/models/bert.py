@@ -1,9 +1,14 @@
 """BERT (Devlin et al. 2019) in Flax NNX with any attention kind: embeddings, post-LayerNorm encoder,
 pooler, and the masked-LM, classification and regression heads.
 
-    model(input_ids [B, L], token_type_ids=None, attention_mask=None, deterministic=True) ->
+    model(input_ids [B, L], token_type_ids=None, attention_mask=None, deterministic=True,
+          mlm_positions=None) ->
         {"hidden_states": [B, L, hidden], "pooled": [B, hidden] (with a pooler),
          "logits": [B, L, vocab] (mlm) | [B, num_labels] (classification) | [B] (regression)}
+
+With `mlm_positions` [B, P] the MLM head runs only at those positions (logits [B, P, vocab]), as BERT
+pretraining does: the vocabulary projection is the largest matmul of a small model, and only the
+~15 % masked positions have a target.
 
 Parameter names follow the Hugging Face layout closely so `favor.models.hf` maps them one to one.
 """
@@ -70,7 +75,8 @@ class Bert(nnx.Module):
             self.classifier_dropout = nnx.Dropout(c["dropout"], rngs=rngs)
             self.classifier = dense(h, n, ("embed", "classes"), **kw)
 
-    def __call__(self, input_ids, token_type_ids=None, attention_mask=None, deterministic: bool = True):
+    def __call__(self, input_ids, token_type_ids=None, attention_mask=None, deterministic: bool = True,
+                 mlm_positions=None):
         c = self.config
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
@@ -91,6 +97,8 @@ class Bert(nnx.Module):
         if self.pooler is not None:
             out["pooled"] = jnp.tanh(self.pooler(x[:, 0]))
         if c["head"] == "mlm":
+            if mlm_positions is not None:
+                x = jnp.take_along_axis(x, jnp.asarray(mlm_positions)[..., None], axis=1)
             t = self.mlm_norm(jax.nn.gelu(self.mlm_transform(x), approximate=False)).astype(x.dtype)
             out["logits"] = (self.word_embeddings.attend(t).astype(jnp.float32)
                              + self.mlm_bias[...].astype(jnp.float32))

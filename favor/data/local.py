@@ -1,0 +1,58 @@
+"""Offline corpora that favor generates itself, as real TFDS datasets in a local cache.
+
+`data=local` in a config points a pipeline at one of these instead of the downloaded dataset; the
+pipeline code is the same (random access through `favor.data.source.open_tfds`), only the builder
+name and data_dir differ. A corpus is built on first use (idempotent: a prepared one is reused) by
+`prepare(name)` or from the command line:
+
+    python -m favor.data.local docstrings [--data_dir DIR]     # text for MLM pretraining
+    python -m favor.data.local speech [--data_dir DIR]         # espeak-ng speech for the Conformer
+
+The cache is $FAVOR_DATA_DIR, else ~/.cache/favor/tensorflow_datasets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+CORPORA = {
+    "docstrings": ("favor.data.docstrings", "favor_docstrings"),
+    "speech": ("favor.data.espeak", "favor_speech"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FAVOR_DATA_DIR", "~/.cache/favor/tensorflow_datasets")).expanduser()
+
+
+def builder_name(corpus: str) -> str:
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown local corpus {corpus!r}; valid: {', '.join(CORPORA)}")
+    import importlib
+    module, name = CORPORA[corpus]
+    importlib.import_module(module)          # registers the TFDS builder class under `name`
+    return name
+
+
+def prepare(corpus: str, data_dir=None) -> str:
+    """Build the corpus into data_dir (default: the cache) unless it is there; returns the data_dir."""
+    import tensorflow_datasets as tfds
+    name = builder_name(corpus)
+    data_dir = str(Path(data_dir).expanduser() if data_dir else cache_dir())
+    builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()           # a no-op when the prepared version is present
+    return data_dir
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m favor.data.local", description=__doc__.split("\n\n")[0])
+    parser.add_argument("corpus", choices=sorted(CORPORA))
+    parser.add_argument("--data_dir", default=None, help=f"default: {cache_dir()}")
+    args = parser.parse_args(argv)
+    print(prepare(args.corpus, args.data_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""What a model is trained to do: the loss on a batch and the eval metrics, keyed by config.task.
+
+A task has
+    OPTIONS: its config keys and defaults
+    loss(model, batch, deterministic) -> (scalar loss, {name: scalar})      (train step, jitted)
+    eval_outputs(model, batch) -> {name: array}    (eval step, jitted: sums, or per-example outputs)
+    finalize([outputs of every eval batch]) -> {metric: value}               (host, after the split)
+"""
+
+from __future__ import annotations
+
+from favor.registry import build
+
+
+_REGISTRY = {
+    "classification": "favor.tasks.classification:Classification",
+    "glue": "favor.tasks.glue:Glue",
+    "mlm": "favor.tasks.mlm:MaskedLM",
+    "ctc": "favor.tasks.ctc:Ctc",
+}
+
+
+def names():
+    return tuple(_REGISTRY)
+
+
+def get(config):
+    options = dict(config)
+    name = options.pop("name", None)
+    return build("task", _REGISTRY, name, options)

@@ -1,0 +1,38 @@
+"""Two processes on this machine through jax.distributed (gloo CPU collectives, launched by
+launch/multihost_local.sh) run the same job as one process: each feeds its half of every global batch,
+checkpoints are written by both, and the results are the single-process ones."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from favor import trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from configs import default  # noqa: E402
+
+OVERRIDES = ["--config.total_steps=4", "--config.eval_every=4", "--config.checkpoint_every=2",
+             "--config.log_every=2"]
+
+
+def test_two_processes_match_one(tmp_path):
+    workdir = tmp_path / "two"
+    out = subprocess.run(["bash", str(ROOT / "launch/multihost_local.sh"), "2", str(workdir),
+                          "--config", "configs/default.py:runlocal", *OVERRIDES],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHON": sys.executable})
+    logs = "".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("two.process*.log")))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + logs
+    two = json.loads((workdir / "summary.json").read_text())
+
+    config = default.get_config("runlocal")
+    config.total_steps, config.eval_every, config.checkpoint_every, config.log_every = 4, 4, 2, 2
+    one = trainer.run(config, tmp_path / "one")
+    assert two["step"] == one["step"] == 4
+    for k in ("train_loss", "loss", "accuracy"):
+        assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
