@@ -15,31 +15,21 @@ Args: task=<cola|sst2|mrpc|qqp|stsb|mnli|qnli|rte|wnli>, vocab=<vocab.txt>, runl
 
 import ml_collections
 
+from favor import configlib
 from favor.data.glue import FIELDS, NUM_LABELS
-from favor.sharding import DEFAULT_RULES
 
 TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb": 5749, "mnli": 392702,
                "qnli": 104743, "rte": 2490, "wnli": 635}
 
 
 def get_config(arg=None):
-    args = dict(part.partition("=")[::2] for part in (arg or "").split(",") if part)
-    task = args.pop("task", "sst2")
-    if task not in FIELDS:
-        raise ValueError(f"configs/bert_glue.py: unknown task {task!r}; valid: {', '.join(FIELDS)}")
-    vocab = args.pop("vocab", "vocab.txt")
-    runlocal = "runlocal" in args
-    args.pop("runlocal", None)
-    if args:
-        raise ValueError(f"configs/bert_glue.py: unknown arg(s) {', '.join(args)}; valid: task, vocab, runlocal")
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.batch_size = 32
-    c.total_steps = max(1, 3 * TRAIN_SIZES[task] // c.batch_size)
-    c.eval_batch_size = 128
-    c.checkpoint_every, c.eval_every, c.log_every, c.keep_checkpoints = 2000, 2000, 100, 2
-    c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
-    c.sharding_rules = dict(DEFAULT_RULES)
+    where = "configs/bert_glue.py"
+    args = configlib.parse_arg(arg, ("task", "vocab", "runlocal"), where)
+    task = configlib.choice(args, "task", "sst2", tuple(FIELDS), where)
+    vocab = args.get("vocab", "vocab.txt")
+    runlocal = bool(args.get("runlocal", False))
+    c = configlib.run_config(total_steps=max(1, 3 * TRAIN_SIZES[task] // 32), batch_size=32, eval_batch_size=128,
+                             every=2000)
     c.data = {"name": "glue", "task": task, "tokenizer": f"wordpiece:{vocab}", "max_length": 128,
               "buckets": (32, 64, 128), "data_dir": None, "eval_split": "validation", "max_examples": 0}
     c.task = {"name": "glue", "task": task}

@@ -20,30 +20,18 @@ Args: data=tfds|local, runlocal, kind=<attention kind>.
 
 import ml_collections
 
-from favor.sharding import DEFAULT_RULES
+from favor import configlib
 
 
 def get_config(arg=None):
-    args = {}
-    for part in filter(None, (arg or "").split(",")):
-        key, _, value = part.partition("=")
-        args[key.strip()] = value.strip() or True
-    data = args.pop("data", "tfds")
-    if data not in ("tfds", "local"):
-        raise ValueError(f"configs/bert_pretrain.py: data={data!r}; valid: tfds, local")
-    kind = args.pop("kind", "favor++")
-    runlocal = bool(args.pop("runlocal", False))
-    if args:
-        raise ValueError(f"configs/bert_pretrain.py: unknown arg(s) {', '.join(args)}; valid: data, kind, runlocal")
+    where = "configs/bert_pretrain.py"
+    args = configlib.parse_arg(arg, ("data", "kind", "runlocal"), where)
+    data = configlib.choice(args, "data", "tfds", ("tfds", "local"), where)
+    kind = args.get("kind", "favor++")
+    runlocal = bool(args.get("runlocal", False))
 
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.total_steps = 1_000_000
-    c.batch_size = 256
-    c.eval_batch_size = 256
-    c.checkpoint_every, c.eval_every, c.log_every, c.keep_checkpoints = 10_000, 10_000, 100, 3
-    c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
-    c.sharding_rules = dict(DEFAULT_RULES)
+    c = configlib.run_config(total_steps=1_000_000, batch_size=256, eval_batch_size=256, every=10_000,
+                             keep_checkpoints=3)
     c.data = {"name": "text", "dataset": "wikipedia/20230601.en", "text_field": "text",
               "train_split": "train[:99%]", "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "",
               "vocab_size": 32000, "tokenizer_sample": 200_000, "max_length": 512, "mask_rate": 0.15,

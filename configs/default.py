@@ -15,32 +15,15 @@ in under 5 minutes on 2 CPU cores (see README for the measured figure and the so
 
 import ml_collections
 
-from favor.sharding import DEFAULT_RULES
+from favor import configlib
 
 KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
-
-
-def parse_arg(arg):
-    out = {}
-    for part in filter(None, (arg or "").split(",")):
-        key, _, value = part.partition("=")
-        out[key.strip()] = value.strip() if value else True
-    return out
+ARGS = ("runlocal", "kind", "variant", "lambda_", "features", "importance_sampling", "antithetic")
 
 
 def get_config(arg=None):
-    args = parse_arg(arg)
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.total_steps = 1500
-    c.batch_size = 64
-    c.eval_batch_size = 128
-    c.checkpoint_every = 500
-    c.eval_every = 500
-    c.log_every = 50
-    c.keep_checkpoints = 2
-    c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
-    c.sharding_rules = dict(DEFAULT_RULES)
+    args = configlib.parse_arg(arg, ARGS, "configs/default.py")
+    c = configlib.run_config(total_steps=1500, batch_size=64, eval_batch_size=128, every=500, log_every=50)
     c.data = {"name": "digits", "test_fraction": 0.2, "split_seed": 0}
     c.task = {"name": "classification", "input": "image", "label_smoothing": 0.1}
 
@@ -70,9 +53,6 @@ def get_config(arg=None):
         c.model.attention.num_features = 16
         c.model.dropout, c.task.label_smoothing = 0.0, 0.0
         c.optim.warmup_steps, c.optim.lr = 4, 1e-2
-    if args:
-        raise ValueError(f"configs/default.py: unknown arg(s) {', '.join(args)}; valid: runlocal, kind, variant, "
-                         f"lambda_, features, importance_sampling, antithetic")
     return c
 
 

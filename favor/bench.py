@@ -1,5 +1,6 @@
 """Benchmarks: `python -m favor.bench attention [--lengths 512,1024] [--kinds favor+,softmax]` and
-`python -m favor.bench train --config configs/<file>.py[:args] --metric wer --target 0.5 [-- FLAGS]`.
+`python -m favor.bench train --config configs/<file>.py[:args] --metric wer --target 0.5 [-- FLAGS]` and
+`python -m favor.bench parts [--length 8192]` (FAVOR+'s forward against the cost of its parts).
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not): to exact softmax attention, and to a plain matmul
@@ -178,6 +179,41 @@ def write(rows, out_dir, argv, section="attention-benchmark"):
     replace_section(out_dir, section, body)
 
 
+def parts(length, repeats):
+    """FAVOR+'s bidirectional forward and its unavoidable parts, each timed alone in its own shapes as
+    XLA:CPU runs them, in units of the forward's same-FLOP square matmul (one run): where the issue 3
+    roofline target (1.5×) stands against what the parts cost even if everything between them fused."""
+    kind, opts = kind_options("favor+")
+    attn = attention.get(kind, **opts)
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
+    fwd = lambda q, k, v, rng: attn(q, k, v, rng=rng)
+    compiled, _, flops = _compile(fwd, (q, k, v, ks[3]))
+    yard = matmul_seconds(flops, repeats)
+    n, f32 = B * H * length, jnp.float32
+    x = jax.random.normal(ks[0], (n, D + 2), f32)             # [u, ‖u‖², 1]: the library's one-matmul form
+    w = jax.random.normal(ks[1], (D + 2, M), f32)
+    logits = jax.random.normal(ks[2], (B, H, length, M), f32)
+    v1 = jax.random.normal(ks[3], (B, H, length, D + 1), f32)
+    vk = jax.random.normal(ks[3], (B, H, D + 1, M), f32)
+    rows = [
+        ("FAVOR+ forward (the library)", _timed(compiled, (q, k, v, ks[3]), repeats)),
+        ("2 projections [B·H·L, D+2] @ [D+2, M]", 2 * _timed(jax.jit(lambda x, w: x @ w), (x, w), repeats)),
+        ("2 exp over [B, H, L, M], written", 2 * _timed(jax.jit(jnp.exp), (logits,), repeats)),
+        ("2 exp over [B, H, L, M], consumed in place (a fused kernel's cost)",
+         2 * _timed(jax.jit(lambda a: jnp.sum(jnp.exp(a), -1)), (logits,), repeats)),
+        ("[V,1]ᵀΦ_k contraction", _timed(jax.jit(lambda a, b: jnp.einsum("bhld,bhlf->bhdf", a, b)),
+                                          (v1, logits), repeats)),
+        ("Φ_q (Φ_kᵀ[V,1]) contraction", _timed(jax.jit(lambda a, b: jnp.einsum("bhlf,bhdf->bhld", a, b)),
+                                               (logits, vk), repeats)),
+    ]
+    t = dict(rows)
+    floor = (t["2 projections [B·H·L, D+2] @ [D+2, M]"] + t["[V,1]ᵀΦ_k contraction"]
+             + t["Φ_q (Φ_kᵀ[V,1]) contraction"] + t["2 exp over [B, H, L, M], consumed in place (a fused kernel's cost)"])
+    rows.append(("sum of the parts with perfect fusion (matmuls + in-place exp)", floor))
+    return [{"part": name, "seconds": sec, "ratio": sec / yard} for name, sec in rows], yard, flops
+
+
 def replace_section(out_dir, section, body):
     begin, end = markers(section)
     body = f"{begin}\n{body}\n{end}"
@@ -236,6 +272,10 @@ def main(argv=None):
     argv_main = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(prog="python -m favor.bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
+    pp = sub.add_parser("parts", help="FAVOR+'s forward against the cost of its parts (the roofline target)")
+    pp.add_argument("--length", type=int, default=8192)
+    pp.add_argument("--repeats", type=int, default=5)
+    pp.add_argument("--out", default=".")
     t = sub.add_parser("train", help="a train.py run: eval metric against wall-clock time (flags after --)")
     t.add_argument("--config", required=True, help="configs/<file>.py[:args]")
     t.add_argument("--metric", required=True, help="an eval metric of the config's task (e.g. wer, accuracy)")
@@ -251,6 +291,22 @@ def main(argv=None):
     p.add_argument("--section", default="attention-benchmark",
                    help="BENCHMARKS.md section (and bench/<section>.json) this run replaces")
     args = parser.parse_args(argv_main)
+    if args.what == "parts":
+        runtime.keep_host_pages()
+        rows, yard, flops = parts(args.length, args.repeats)
+        table_rows = "\n".join(f"| {r['part']} | {r['seconds'] * 1e3:.2f} | {r['ratio']:.2f} |" for r in rows)
+        body = (f"## favor-plus-parts (`python -m favor.bench {' '.join(argv)}`)\n\n"
+                f"L = {args.length}, B = {B}, H = {H}, D = {D}, M = {M}, float32, {jax.default_backend()} "
+                f"({os.cpu_count()} cores), jax {jax.__version__}. Each part timed alone (median of "
+                f"{args.repeats}); ratios to a square matmul of the forward's {flops / 1e9:.2f} GFLOP "
+                f"({yard * 1e3:.2f} ms), all in this one run.\n\n| part | ms | / matmul |\n|---|---|---|\n"
+                f"{table_rows}")
+        replace_section(args.out, "favor-plus-parts", body)
+        (Path(args.out) / "bench").mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench" / "favor-plus-parts.json").write_text(json.dumps(
+            {"length": args.length, "matmul_seconds": yard, "flops": flops, "rows": rows}, indent=1))
+        print(table_rows)
+        return
     if args.what == "train":
         train(args.config, args.metric, args.target, not args.higher_is_better, flags, args.out, args.section, argv)
         return

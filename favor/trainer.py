@@ -67,8 +67,8 @@ def warm_start(config, abstract_params, shardings):
     kind, _, path = spec.partition(":")
     if kind != "hf" or not path:
         raise ValueError(f"model.init_from {spec!r}: expected 'hf:<Hugging Face model directory>'")
-    keep = {k: v for k, v in config.model.to_dict().items() if k in ("head", "num_labels", "dropout",
-                                                                       "attention_dropout", "dtype")}
+    shared = ("head", "num_labels", "num_classes", "dropout", "attention_dropout", "dtype")
+    keep = {k: v for k, v in config.model.to_dict().items() if k in shared}
     loaded = models.hf.load(path, attention=attention_options(config.model.attention), **keep)
     params = nnx.state(loaded, nnx.Param)
     want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), abstract_params)
@@ -110,6 +110,8 @@ def run(config, workdir) -> dict:
     # data
     source = data.get(config.data)
     task = tasks.get(config.task)
+    if hasattr(task, "bind"):        # tasks that need what the data built (the CTC task decodes with its tokenizer)
+        task.bind(source)
 
     # model (abstract first: shapes and shardings before any memory is used)
     build, model_cfg = model_builder(config)
@@ -241,7 +243,8 @@ def run(config, workdir) -> dict:
 
     # loop
     log_every = int(config.get("log_every", 50))
-    batches = source.train_batches(int(config.batch_size), start, int(config.seed))
+    batches = prefetch(source.train_batches(int(config.batch_size), start, int(config.seed)),
+                       int(config.get("prefetch", 2)))
     history = {"train_loss": None, "losses": [], "evals": []}
     eval_metrics = {}
     t0, s0 = time.perf_counter(), start
@@ -290,6 +293,35 @@ def run(config, workdir) -> dict:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     run.last_state = state       # for tests and notebooks: the final train state
     return summary
+
+
+def prefetch(iterator, depth: int):
+    """Host batches read `depth` ahead on a background thread, so decoding and augmentation (log-mel,
+    image crops, MLM masking) overlap the device step. The order is the iterator's: resumption and
+    determinism are unchanged. An exception in the reader is raised in the loop."""
+    if depth <= 0:
+        return iterator
+    import queue
+    import threading
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def read():
+        try:
+            for item in iterator:
+                q.put(item)
+        except BaseException as e:         # handed to the loop, which raises it
+            q.put(e)
+        q.put(done)
+
+    threading.Thread(target=read, name="favor-prefetch", daemon=True).start()
+
+    def batches():
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    return batches()
 
 
 def _main_thread():

@@ -33,3 +33,14 @@ def test_bench_train_records_the_metric_against_time(tmp_path):
     assert data["meta"]["seconds_to_target"] == data["evals"][0]["seconds"]     # any accuracy > 0
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert "accuracy > 0.0 first at step 2" in md and "| 4 |" in md
+
+
+def test_bench_parts_writes_every_part_against_one_yardstick(tmp_path):
+    bench.main(["parts", "--length", "128", "--repeats", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench" / "favor-plus-parts.json").read_text())
+    ratios = {r["part"]: r["ratio"] for r in data["rows"]}
+    assert len(ratios) == 7 and all(r > 0 for r in ratios.values())
+    floor = ratios["sum of the parts with perfect fusion (matmuls + in-place exp)"]
+    parts = [r for name, r in ratios.items() if name.startswith(("2 projections", "[V,1]", "Φ_q", "2 exp over [B, H, L, M], consumed"))]
+    assert abs(floor - sum(parts)) < 1e-9 * max(1.0, floor)
+    assert "| FAVOR+ forward (the library) |" in (tmp_path / "BENCHMARKS.md").read_text()

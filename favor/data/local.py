@@ -36,12 +36,16 @@ def builder_name(corpus: str) -> str:
     return name
 
 
-def prepare(corpus: str, data_dir=None) -> str:
-    """Build the corpus into data_dir (default: the cache) unless it is there; returns the data_dir."""
+def prepare(corpus: str, data_dir=None, config: str | None = None) -> str:
+    """Build the corpus (a named builder config of it, e.g. the speech corpus's "tiny") into data_dir
+    (default: the cache) unless it is there; returns the data_dir."""
     import tensorflow_datasets as tfds
     name = builder_name(corpus)
     data_dir = str(Path(data_dir).expanduser() if data_dir else cache_dir())
-    builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+    try:
+        builder = tfds.builder(f"{name}/{config}" if config else name, data_dir=data_dir, file_format="array_record")
+    except ValueError as e:       # an unknown config: TFDS's message lists the valid ones
+        raise ValueError(f"local corpus {corpus!r}: {e}") from e
     builder.download_and_prepare()           # a no-op when the prepared version is present
     return data_dir
 

@@ -52,10 +52,16 @@ def _read_texts(src, field, rows):
 
 
 def train_tokenizer(src, field, output, vocab_size, sample, seed=0):
-    """A sentencepiece model trained on `sample` documents drawn without replacement (seeded)."""
+    """A sentencepiece model trained on `sample` documents drawn without replacement (seeded). Written
+    under a temporary name and renamed (.vocab first, .model last): a reader never sees half a model."""
     n = len(src)
     rows = np.sort(np.random.default_rng(seed).permutation(n)[:min(int(sample), n)])
-    return tokenizers.train_sentencepiece(_read_texts(src, field, rows), output, vocab_size)
+    output = Path(output).with_suffix(".model")
+    tmp = output.with_name(f"{output.stem}.tmp-{os.getpid()}.model")
+    tokenizers.train_sentencepiece(_read_texts(src, field, rows), tmp, vocab_size)
+    for suffix in (".vocab", ".model"):
+        tmp.with_suffix(suffix).replace(output.with_suffix(suffix))
+    return tokenizers.SentencePiece(output)
 
 
 def pack(src, field, tokenizer, path, max_documents=0) -> np.ndarray:
