@@ -15,7 +15,9 @@ def parse_arg(arg, valid, where: str) -> dict:
     out = {}
     for part in filter(None, (arg or "").split(",")):
         key, _, value = part.partition("=")
-        out[key.strip()] = value.strip() if value.strip() else True
+        value = value.strip()
+        # "runlocal", "runlocal=true" -> True; "runlocal=false" -> False; anything else stays a string
+        out[key.strip()] = {"": True, "true": True, "false": False}.get(value.lower(), value)
     bad = sorted(set(out) - set(valid))
     if bad:
         raise ValueError(f"{where}: unknown arg(s) {', '.join(bad)}; valid: {', '.join(valid)}")
@@ -38,4 +40,5 @@ def run_config(*, total_steps: int, batch_size: int, eval_batch_size: int, every
     c.checkpoint_every, c.eval_every, c.log_every, c.keep_checkpoints = every, every, log_every, keep_checkpoints
     c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
     c.sharding_rules = dict(DEFAULT_RULES)
+    c.prefetch = 2                     # host batches read ahead on a thread (0: read in the loop)
     return c

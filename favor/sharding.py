@@ -86,21 +86,23 @@ def batch_divisor(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_batch(batch_size: int, mesh, accumulate_steps: int = 1):
+def check_batch(batch_size: int, mesh, accumulate_steps: int = 1, what: str = "batch_size"):
     n = batch_divisor(mesh) * accumulate_steps
     if batch_size % n:
-        raise ValueError(f"batch_size {batch_size} is not divisible by the data-parallel size "
+        raise ValueError(f"{what} {batch_size} is not divisible by the data-parallel size "
                          f"{batch_divisor(mesh)} (mesh data × fsdp){' × accumulate_steps ' + str(accumulate_steps) if accumulate_steps > 1 else ''}")
     if batch_size % jax.process_count():
-        raise ValueError(f"batch_size {batch_size} is not divisible by the {jax.process_count()} processes")
+        raise ValueError(f"{what} {batch_size} is not divisible by the {jax.process_count()} processes")
 
 
-def global_batch(local: Mapping[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+def global_batch(local: Mapping[str, np.ndarray], mesh, pad_hosts: bool = False) -> dict[str, jax.Array]:
     """Each process passes its own slice of the global batch; the result is one global array per key,
-    sharded over the batch axes (the same code runs on one host and on many)."""
+    sharded over the batch axes (the same code runs on one host and on many). `pad_hosts`: the source
+    sizes batches from each host's own rows (speech buckets), so hosts are padded to a common shape
+    (one all-gather, a sync point: only for such sources)."""
     sharding = batch_sharding(mesh)
     local = {k: np.asarray(v) for k, v in local.items()}
-    if jax.process_count() > 1:
+    if pad_hosts and jax.process_count() > 1:
         local = _pad_to_common_shape(local)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 

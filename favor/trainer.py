@@ -94,6 +94,17 @@ def redraws(config) -> bool:
     return str(config.model.attention.get("redraw", "step")) != "fixed"
 
 
+def build_source(config):
+    """The data source; on several processes process 0 builds it first (first-use work: a local corpus,
+    a tokenizer, packed tokens, written to a shared data_dir), the others then find it prepared."""
+    if jax.process_count() == 1:
+        return data.get(config.data)
+    from jax.experimental import multihost_utils
+    source = data.get(config.data) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("favor: data prepared")
+    return source if source is not None else data.get(config.data)
+
+
 # -- the loop ------------------------------------------------------------------------------------------
 def run(config, workdir) -> dict:
     t_start = time.perf_counter()
@@ -105,10 +116,11 @@ def run(config, workdir) -> dict:
     # mesh
     mesh = sharding.make_mesh(config.mesh)
     sharding.check_batch(int(config.batch_size), mesh, accumulate)
+    sharding.check_batch(int(config.eval_batch_size), mesh, what="eval_batch_size")
     rules = dict(config.sharding_rules)
 
     # data
-    source = data.get(config.data)
+    source = build_source(config)
     task = tasks.get(config.task)
     if hasattr(task, "bind"):        # tasks that need what the data built (the CTC task decodes with its tokenizer)
         task.bind(source)
@@ -183,6 +195,7 @@ def run(config, workdir) -> dict:
         return new_state, metrics
 
     batch_sh = sharding.batch_sharding(mesh)
+    pad_hosts = bool(getattr(source, "host_dependent_shapes", False))
     train_step = jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
                          donate_argnums=0)
 
@@ -203,7 +216,7 @@ def run(config, workdir) -> dict:
 
     def evaluate(state):
         rest = eval_rest(state["params"], state["rest"]) if redraws(config) else state["rest"]
-        outputs = [jax.device_get(eval_step(state["params"], rest, sharding.global_batch(local, mesh)))
+        outputs = [jax.device_get(eval_step(state["params"], rest, sharding.global_batch(local, mesh, pad_hosts)))
                    for local in source.eval_batches(int(config.eval_batch_size))]
         return task.finalize(outputs)
 
@@ -251,7 +264,7 @@ def run(config, workdir) -> dict:
     bar = _progress(total_steps, start)
     try:
         for step in range(start, total_steps):
-            state, metrics = train_step(state, sharding.global_batch(next(batches), mesh))
+            state, metrics = train_step(state, sharding.global_batch(next(batches), mesh, pad_hosts))
             done = step + 1
             last = done == total_steps
             if done % log_every == 0 or last or stop["signal"]:
@@ -275,6 +288,7 @@ def run(config, workdir) -> dict:
                 log.warning("SIGTERM at step %d: checkpoint saved, exiting", done)
                 break
     finally:
+        batches.close()
         ckpt.close()
         writer.flush()
         if previous is not None:
@@ -295,33 +309,56 @@ def run(config, workdir) -> dict:
     return summary
 
 
-def prefetch(iterator, depth: int):
+class prefetch:
     """Host batches read `depth` ahead on a background thread, so decoding and augmentation (log-mel,
     image crops, MLM masking) overlap the device step. The order is the iterator's: resumption and
-    determinism are unchanged. An exception in the reader is raised in the loop."""
-    if depth <= 0:
-        return iterator
-    import queue
-    import threading
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
+    determinism are unchanged. An exception in the reader is raised in the loop; `close()` stops the
+    thread (the loop calls it however it ends), so no reader outlives its run."""
 
-    def read():
+    def __init__(self, iterator, depth: int):
+        import queue
+        import threading
+        self.iterator, self.depth = iterator, int(depth)
+        self.queue: queue.Queue = queue.Queue(maxsize=max(self.depth, 1))
+        self.stop = threading.Event()
+        self.thread = None
+        if self.depth > 0:
+            self.thread = threading.Thread(target=self._read, name="favor-prefetch", daemon=True)
+            self.thread.start()
+
+    def _put(self, item) -> bool:
+        import queue
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self):
         try:
-            for item in iterator:
-                q.put(item)
+            for item in self.iterator:
+                if not self._put(item):
+                    return
         except BaseException as e:         # handed to the loop, which raises it
-            q.put(e)
-        q.put(done)
+            self._put(e)
 
-    threading.Thread(target=read, name="favor-prefetch", daemon=True).start()
+    def __iter__(self):
+        return self
 
-    def batches():
-        while (item := q.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    return batches()
+    def __next__(self):
+        if self.thread is None:
+            return next(self.iterator)
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
 
 
 def _main_thread():

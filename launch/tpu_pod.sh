@@ -4,8 +4,8 @@
 #   launch/tpu_pod.sh TPU_NAME ZONE WORKDIR -- --config configs/bert_pretrain.py [--config.x=y ...]
 #
 # WORKDIR must be storage every host sees (a gs:// bucket or a shared filesystem): orbax writes each
-# host's shards of a checkpoint there and process 0 commits it. The repository is copied to every host
-# and installed into a venv there on first use. `--multihost` makes train.py call
+# host's shards of a checkpoint there and process 0 commits it. The repository's committed tree (HEAD)
+# is copied to every host and installed into a venv there. `--multihost` makes train.py call
 # jax.distributed.initialize(), which finds the pod's coordinator by itself on TPU VMs.
 set -euo pipefail
 if [ $# -lt 4 ] || [ "$4" != "--" ]; then
@@ -17,8 +17,15 @@ shift 4
 repo=$(cd "$(dirname "$0")/.." && pwd)
 args=$(printf ' %q' "$@")
 
-gcloud compute tpus tpu-vm scp --recurse --zone "$zone" --worker=all "$repo" "$tpu":~/favor-job
+# the committed tree only (no .venv, runs/ or .git), unpacked over a clean copy: a relaunch never runs
+# stale code; the venv lives beside the code and survives relaunches
+archive=$(mktemp --suffix=.tar.gz)
+trap 'rm -f "$archive"' EXIT
+git -C "$repo" archive --format=tar.gz -o "$archive" HEAD
+gcloud compute tpus tpu-vm scp --zone "$zone" --worker=all "$archive" "$tpu":~/favor-job.tar.gz
 gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" --worker=all --command "
-  set -e; cd ~/favor-job
-  [ -x .venv/bin/python ] || { python3 -m venv .venv && .venv/bin/pip install -q -e . 'jax[tpu]'; }
+  set -e; rm -rf ~/favor-job && mkdir ~/favor-job && tar -xzf ~/favor-job.tar.gz -C ~/favor-job && cd ~/favor-job
+  [ -x ~/favor-venv/bin/python ] || python3 -m venv ~/favor-venv
+  ~/favor-venv/bin/pip install -q -e . 'jax[tpu]'
+  ln -sfn ~/favor-venv .venv
   .venv/bin/python train.py --multihost --workdir $(printf %q "$workdir")$args"

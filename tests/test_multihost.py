@@ -36,3 +36,23 @@ def test_two_processes_match_one(tmp_path):
     assert two["step"] == one["step"] == 4
     for k in ("train_loss", "loss", "accuracy"):
         assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
+
+
+def test_hosts_with_different_widths_are_padded_to_the_widest(monkeypatch):
+    """Speech buckets are chosen from each host's own rows: global_batch pads every host to the widest
+    shape (zeros), learned through one all-gather of the shapes. Here process 0 of 2 sees a wider
+    partner."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from favor import sharding
+    local = {"features": np.ones((2, 5, 3), np.float32), "labels": np.ones((2, 4), np.int32),
+             "valid": np.ones((2,), bool)}
+    partner = np.asarray([9, 3, 6], np.int32)            # the other host: 9 frames, 3 features, 6 labels
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([np.asarray(x), partner]))
+    out = sharding._pad_to_common_shape(local)
+    assert out["features"].shape == (2, 9, 3) and out["labels"].shape == (2, 6) and out["valid"].shape == (2,)
+    assert out["features"][:, 5:].sum() == 0 and out["features"][:, :5].sum() == 30
+    assert out["labels"][:, 4:].sum() == 0

@@ -188,3 +188,18 @@ def test_bad_input_is_a_clear_error(tmp_path):
     bad_kind = subprocess.run(train_cmd(tmp_path, "--config.model.attention.kind=favour"), capture_output=True,
                               text=True, timeout=300)
     assert bad_kind.returncode != 0 and "unknown attention kind 'favour'" in bad_kind.stderr
+
+
+def test_prefetch_keeps_the_order_raises_reader_errors_and_stops():
+    def items():
+        yield from range(5)
+        raise RuntimeError("reader failed at item 5")
+    p = trainer.prefetch(items(), depth=2)
+    assert [next(p) for _ in range(5)] == list(range(5))
+    with pytest.raises(RuntimeError, match="reader failed at item 5"):
+        next(p)
+    p.close()
+    endless = trainer.prefetch(iter(int, 1), depth=2)      # an infinite stream, as train_batches is
+    assert next(endless) == 0
+    endless.close()
+    assert not endless.thread.is_alive()

@@ -113,7 +113,8 @@ class ImageNet(IndexedSource):
         self._sources = {"train": self._open(dataset, train_split, data_dir),
                          "eval": self._open(dataset, eval_split, data_dir)}
         self.num_classes = self._num_classes(self._sources["train"])
-        self._pool = None
+        # made here, not on first use: the prefetch thread and the eval loop both read
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="favor-imagenet") if self.workers > 1 else None
 
     # -- opening the splits ----------------------------------------------------------------------------
     @staticmethod
@@ -143,10 +144,8 @@ class ImageNet(IndexedSource):
 
     # -- reading ---------------------------------------------------------------------------------------
     def _map(self, fn, items):
-        if self.workers == 1 or len(items) == 1:
+        if self._pool is None or len(items) == 1:
             return [fn(x) for x in items]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="favor-imagenet")
         return list(self._pool.map(fn, items))
 
     def _example(self, split, index):

@@ -82,6 +82,7 @@ def _builder(dataset: str, data_dir):
 
 
 class Speech(IndexedSource):
+    host_dependent_shapes = True       # buckets from this host's rows: hosts are padded to a common width
     OPTIONS = {"dataset": "librispeech", "train_split": "train_clean100+train_clean360+train_other500",
                "eval_split": "dev_clean", "data_dir": None, "tokenizer": "", "vocab_size": 256,
                "max_frames": 2048, "buckets": (256, 512, 1024, 1536, 2048), "spec_augment": True}

@@ -56,12 +56,19 @@ def train_tokenizer(src, field, output, vocab_size, sample, seed=0):
     under a temporary name and renamed (.vocab first, .model last): a reader never sees half a model."""
     n = len(src)
     rows = np.sort(np.random.default_rng(seed).permutation(n)[:min(int(sample), n)])
-    output = Path(output).with_suffix(".model")
-    tmp = output.with_name(f"{output.stem}.tmp-{os.getpid()}.model")
+    prefix = tokenizers.model_prefix(output)
+    tmp = f"{prefix}.tmp-{_unique()}"
     tokenizers.train_sentencepiece(_read_texts(src, field, rows), tmp, vocab_size)
     for suffix in (".vocab", ".model"):
-        tmp.with_suffix(suffix).replace(output.with_suffix(suffix))
-    return tokenizers.SentencePiece(output)
+        os.replace(tmp + suffix, prefix + suffix)
+    return tokenizers.SentencePiece(prefix + ".model")
+
+
+def _unique() -> str:
+    """A temporary-file tag no other process (on this host or another sharing the disk) uses."""
+    import socket
+    import uuid
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def pack(src, field, tokenizer, path, max_documents=0) -> np.ndarray:
@@ -75,7 +82,7 @@ def pack(src, field, tokenizer, path, max_documents=0) -> np.ndarray:
             for ids in tokenizer.ids(_read_texts(src, field, np.arange(start, min(start + 4096, n)))):
                 pieces.append(np.asarray([*ids, tokenizer.sep_id], dtype))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
+        tmp = path.with_name(f"{path.name}.{_unique()}.tmp.npy")
         np.save(tmp, np.concatenate(pieces) if pieces else np.zeros((0,), dtype))
         os.replace(tmp, path)                # atomic: a killed run never leaves a half-written cache
     return np.load(path, mmap_mode="r")
@@ -203,7 +210,7 @@ def main(argv=None):
         data_dir, dataset = local.prepare("docstrings", data_dir), local.builder_name("docstrings")
     tok = train_tokenizer(open_tfds(dataset, args.split, data_dir), args.text_field, args.output, args.vocab_size,
                           args.sample)
-    print(f"{Path(args.output).with_suffix('.model')}: {tok.vocab_size} pieces")
+    print(f"{tokenizers.model_prefix(args.output)}.model: {tok.vocab_size} pieces")
 
 
 if __name__ == "__main__":

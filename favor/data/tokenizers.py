@@ -94,26 +94,38 @@ class SentencePiece(Tokenizer):
 SPECIAL = ("[CLS]", "[SEP]", "[MASK]")
 
 
+def model_prefix(output) -> str:
+    """`output` without a trailing ".model": "tok/wiki.en" stays "tok/wiki.en" (files tok/wiki.en.model, .vocab)."""
+    output = str(output)
+    return output[:-len(".model")] if output.endswith(".model") else output
+
+
 def train_sentencepiece(texts, output, vocab_size: int, model_type: str = "unigram",
-                        character_coverage: float = 1.0, max_sentences: int = 1_000_000) -> SentencePiece:
-    """Train a sentencepiece model on `texts` (an iterable of str) and write `<output>.model`/`.vocab`.
+                        character_coverage: float = 1.0, max_sentences: int = 1_000_000,
+                        seed: int = 0) -> SentencePiece:
+    """Train a sentencepiece model on `texts` (an iterable of str) and write `<prefix>.model`/`.vocab`
+    (prefix: `output` without ".model").
 
     Ids: 0 = pad (also the CTC blank slot of speech models), 1 = unk, then [CLS] [SEP] [MASK] as user
     symbols (never split, never produced from text), no bos/eos. Trained on at most `max_sentences`
-    lines (sentencepiece's own random sample of its input)."""
+    lines, sampled here with a seeded generator: sentencepiece's own sampling is unseeded, and every host
+    (and every rerun) must build the same vocabulary."""
     import sentencepiece as spm
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    prefix = model_prefix(output)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     lines = (line.strip() for t in texts for line in str(t).splitlines())
     lines = [line for line in lines if line]
     if not lines:
         raise ValueError("train_sentencepiece: no text to train on")
+    if len(lines) > max_sentences:
+        keep = np.sort(np.random.default_rng(seed).choice(len(lines), int(max_sentences), replace=False))
+        lines = [lines[i] for i in keep]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(output.with_suffix("")), vocab_size=int(vocab_size),
+        sentence_iterator=iter(lines), model_prefix=prefix, vocab_size=int(vocab_size),
         model_type=model_type, character_coverage=character_coverage, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
-        user_defined_symbols=list(SPECIAL), input_sentence_size=int(max_sentences), shuffle_input_sentence=True,
+        user_defined_symbols=list(SPECIAL), input_sentence_size=0, shuffle_input_sentence=False,
         hard_vocab_limit=False, minloglevel=2)
-    return SentencePiece(output.with_suffix(".model"))
+    return SentencePiece(prefix + ".model")
 
 
 def get(spec: str) -> Tokenizer:

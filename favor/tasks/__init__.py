@@ -5,6 +5,7 @@ A task has
     loss(model, batch, deterministic) -> (scalar loss, {name: scalar})      (train step, jitted)
     eval_outputs(model, batch) -> {name: array}    (eval step, jitted: sums, or per-example outputs)
     finalize([outputs of every eval batch]) -> {metric: value}               (host, after the split)
+    bind(source)  (optional): called once with the data source (the CTC task takes its tokenizer)
 """
 
 from __future__ import annotations
