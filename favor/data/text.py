@@ -8,7 +8,8 @@ Pipeline
   docstrings, built into the cache on first use).
 - Tokenizer: a given spec (`sentencepiece:<model>`, or `wordpiece:<vocab.txt>` to uptrain a Hugging Face
   BERT with its own vocabulary), or, when empty, a sentencepiece model that favor trains on a seeded
-  sample of `tokenizer_sample` training documents, cached as `<cache>/tokenizers/<dataset>-<vocab>.model`
+  sample of `tokenizer_sample` training documents, cached as
+  `<cache>/favor_tokenizers/<dataset>-<vocab>-<hash of field, split, sample, vocab>.model`
   (the same command as `python -m favor.data.text tokenizer ...`).
 - Packing: each split is tokenized once into one flat token array (documents separated by [SEP]),
   cached as a .npy file keyed by the tokenizer's content hash and written atomically; packed example i is
@@ -131,7 +132,10 @@ class MaskedText(IndexedSource):
         if tokenizer:
             self.tokenizer = tokenizers.get(tokenizer)
         else:
-            model = cache / "favor_tokenizers" / f"{safe}-{int(vocab_size)}.model"
+            # named by everything that decides its content: another field, split or sample is another model
+            what = f"{text_field}|{train_split}|{int(tokenizer_sample)}|{int(vocab_size)}"
+            model = (cache / "favor_tokenizers" /
+                     f"{safe}-{int(vocab_size)}-{hashlib.sha256(what.encode()).hexdigest()[:8]}.model")
             self.tokenizer = (tokenizers.SentencePiece(model) if model.exists() else
                               train_tokenizer(train_src, text_field, model, vocab_size, tokenizer_sample))
         self.vocab_size = self.tokenizer.vocab_size
@@ -140,9 +144,9 @@ class MaskedText(IndexedSource):
         self.random_ids = np.asarray([i for i in range(self.vocab_size) if i not in special], np.int32)
         fingerprint = _fingerprint(tok)
         packed = cache / "favor_packed" / safe
+        cached = lambda name: packed / f"{_safe_split(name)}-{_safe_split(text_field)}-{fingerprint}-{int(max_documents)}.npy"
         self.tokens = {
-            split: pack(src, text_field, tok, packed / f"{_safe_split(name)}-{fingerprint}-{int(max_documents)}.npy",
-                        max_documents)
+            split: pack(src, text_field, tok, cached(name), max_documents)
             for split, src, name in (("train", train_src, train_split), ("eval", eval_src, eval_split))}
         if self.num_examples("train") == 0:
             raise ValueError(f"text: {dataset} {train_split} has no tokens to train on")
