@@ -1,5 +1,7 @@
 """The kernel library's interface: registry, errors, shapes, masks, positivity, numerics."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +152,31 @@ def test_fit_and_features_jit():
             w = mech.draw(key, 4, p)
             return mech.estimate(x, x, w, p)
         assert run(x, jax.random.PRNGKey(0)).shape == (2, 5, 5), name
+
+
+STORED_DRAW = [("trig", {}), ("positive", {}), ("positive", {"antithetic": True}),
+               ("positive", {"importance_sampling": True}), ("gerf", {}), ("oprf", {}), ("saderf", {}),
+               ("aderf", {}), ("sderf", {}), ("hrf-angular", {}), ("hrf-gaussian", {}), ("hrf-cluster", {})]
+
+
+@pytest.mark.parametrize("name,options", STORED_DRAW)
+def test_stored_base_draw_adapted_equals_a_fresh_draw(name, options):
+    """Models keep draw_base as state and call adapt_draw per batch: that must be the very draw `draw`
+    makes from the same key (antithetic pairs and importance-sampling moves included)."""
+    mech = kernels.get(name, **options)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(0.4 * rng.standard_normal((6, 4)), jnp.float32)
+    y = jnp.asarray(0.4 * rng.standard_normal((5, 4)), jnp.float32)
+    params, key = mech.fit(x, y), jax.random.PRNGKey(7)
+    fresh = mech.draw(key, 8, params, "orthogonal")
+    stored = mech.adapt_draw(mech.draw_base(key, 8, 4, "orthogonal"), params)
+    assert jax.tree.structure(fresh) == jax.tree.structure(stored)
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(stored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert mech.query_features(x, stored, params).shape[-1] == mech.feature_dim(8)
+
+
+@pytest.mark.parametrize("name", ["poisson", "poisson+", "geometric", "geometric+"])
+def test_data_dependent_degrees_have_no_base_draw(name):
+    with pytest.raises(NotImplementedError, match=re.escape(f"{name}: the draw depends on the fitted parameters")):
+        kernels.get(name).draw_base(jax.random.PRNGKey(0), 8, 4)

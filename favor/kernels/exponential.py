@@ -244,8 +244,10 @@ class Positive(ExponentialMechanism):
     def feature_dim(self, num_features):
         return 2 * num_features if self.antithetic else num_features
 
-    def draw(self, key, num_features, params, coupling="iid"):
-        w = super().draw(key, num_features, params, coupling)
+    def draw_base(self, key, num_features, dim, coupling="iid"):
+        # In the base draw (not only in draw): a model stores the base draw, and its calls must use the
+        # antithetic pairs too. Antithetic excludes importance sampling, so adapt_draw keeps the pairs.
+        w = super().draw_base(key, num_features, dim, coupling)
         if not self.antithetic:
             return w
         # ±ω each carry half the weight: the 1/√M of each map becomes 1/√(2M) over 2M features
