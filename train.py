@@ -2,17 +2,21 @@
 
     python train.py --config configs/<file>.py[:args] --workdir DIR [--config.a.b=value ...]
 
-Configs are locked: overriding a key the config does not have is an error naming it.
+Configs are locked: overriding a key the config does not have is an error naming it. Every value is
+checked (favor.configlib.validate) before anything is built or compiled; a bad one ends the run with
+one last line `error: config.<key>=<value>: <what is allowed>` and exit status 2.
 """
 
 import logging
+import re
 import sys
+from pathlib import Path
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from favor import runtime
+from favor import configlib, runtime
 
 FLAGS = flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard logs and summary.json")
 MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first (TPU pods and SLURM "
@@ -24,11 +28,84 @@ CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "a conf
                                          lock_config=True)
 
 
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_flags(argv):
+    """absl's flag parsing, where a bad override or config arg ends in one line naming it (absl would
+    print its usage text, ml_collections a traceback)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.IllegalFlagValueError as e:      # a value that does not parse as the key's type
+        fail(_bad_value(argv, str(e)))
+    except (AttributeError, KeyError) as e:       # ml_collections: a key the locked config does not have
+        fail(_unknown_key(argv) or str(e))
+    except (flags.Error, OSError) as e:
+        fail(str(e))
+
+
+def _config_spec(argv) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return CONFIG.default if isinstance(CONFIG.default, str) else "configs/default.py"
+
+
+def _overrides(argv) -> dict:
+    """{key: value as typed} of every --config.<key> on the command line (the last one wins, as absl)."""
+    out = {}
+    for i, arg in enumerate(argv):
+        m = re.match(r"^--?(?:no)?config\.([^=]+)(?:=(.*))?$", arg, re.S)
+        if m:
+            value = m.group(2)
+            if value is None and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                value = argv[i + 1]
+            out[m.group(1)] = value
+    return out
+
+
+def _bad_value(argv, message: str) -> str:
+    m = re.match(r"^flag --config(?:\.([\w.]+))?=", message)
+    if m is None:
+        return message
+    if m.group(1) is None:
+        # the config file's own error: ml_collections puts get_config's traceback in the message, whose
+        # last line is the error itself
+        last = [line for line in message.splitlines() if line.strip()][-1].strip()
+        return f"--config {_config_spec(argv)}: {re.sub(r'^[A-Za-z]*Error: ', '', last)}"
+    key = m.group(1)
+    value = _overrides(argv).get(key)
+    try:
+        current = configlib.get(CONFIG.value, key)
+    except Exception:                             # the config did not load: absl's own message
+        return message
+    return f"config.{key}={value!r}: must be {configlib.describe_type(current)} (the config has {current!r})"
+
+
+def _unknown_key(argv) -> str | None:
+    try:
+        config = configlib.load(_config_spec(argv))
+    except Exception:
+        return None
+    for key in _overrides(argv):
+        why = configlib.missing_key(config, key)
+        if why:
+            return f"--config.{key}: {why}"
+    return None
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.value:
         raise app.UsageError("--workdir is required (where checkpoints, logs and summary.json go)")
+    spec = config_flags.get_config_filename(flags.FLAGS["config"])
+    if not Path(spec.split(":", 1)[0]).is_file():
+        fail(f"--config {spec}: no such file")
     absl_logging.set_verbosity(absl_logging.WARNING)     # orbax logs every file it writes at INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
@@ -44,8 +121,12 @@ def main(argv):
         # before any other jax call: every process then sees the global device list
         jax.distributed.initialize(coordinator_address=COORDINATOR.value, num_processes=NUM_PROCESSES.value,
                                    process_id=PROCESS_ID.value)
-    from favor import trainer   # after flag parsing: a bad flag fails fast, before jax starts
     config = CONFIG.value
+    try:
+        configlib.validate(config)        # trainer.run checks again; here the error is one line, not a traceback
+    except configlib.ConfigError as e:
+        fail(str(e))
+    from favor import trainer
     summary = trainer.run(config, FLAGS.value)
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
@@ -62,4 +143,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=parse_flags)

@@ -23,14 +23,11 @@ TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb":
 
 
 def get_config(arg=None):
-    where = "configs/bert_glue.py"
-    args = configlib.parse_arg(arg, ("task", "vocab", "runlocal"), where)
-    task = configlib.choice(args, "task", "sst2", tuple(FIELDS), where)
-    vocab = args.get("vocab", "vocab.txt")
-    runlocal = bool(args.get("runlocal", False))
+    args = configlib.parse_arg(arg, task="sst2", vocab="vocab.txt", runlocal=False)
+    task = configlib.choice("task", args.task, tuple(FIELDS))
     c = configlib.run_config(total_steps=max(1, 3 * TRAIN_SIZES[task] // 32), batch_size=32, eval_batch_size=128,
                              every=2000)
-    c.data = {"name": "glue", "task": task, "tokenizer": f"wordpiece:{vocab}", "max_length": 128,
+    c.data = {"name": "glue", "task": task, "tokenizer": f"wordpiece:{args.vocab}", "max_length": 128,
               "buckets": (32, 64, 128), "data_dir": None, "eval_split": "validation", "max_examples": 0}
     c.task = {"name": "glue", "task": task}
     c.model = ml_collections.ConfigDict()
@@ -40,12 +37,10 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.1, 0.1
     c.model.dtype = "float32"
     c.model.init_from = ""
-    c.model.attention = {"kind": "favor++", "num_features": 256, "coupling": "orthogonal", "redraw": "step"}
-    c.optim = ml_collections.ConfigDict(dict(name="adamw", lr=2e-5, schedule="linear",
-                                             warmup_steps=c.total_steps // 10, weight_decay=0.01, clip_norm=1.0,
-                                             layer_decay=1.0, b1=0.9, b2=0.999, eps=1e-6, accumulate_steps=1,
-                                             end_lr_factor=0.0))
-    if runlocal:
+    c.model.attention = configlib.attention("favor++", num_features=256)
+    c.optim = configlib.optim(lr=2e-5, schedule="linear", warmup_steps=c.total_steps // 10, weight_decay=0.01,
+                              eps=1e-6)
+    if args.runlocal:
         c.model.preset = "tiny"
         c.model.vocab_size, c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim = 32, 32, 1, 2, 48
         c.model.max_positions = 64

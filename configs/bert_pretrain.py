@@ -24,11 +24,8 @@ from favor import configlib
 
 
 def get_config(arg=None):
-    where = "configs/bert_pretrain.py"
-    args = configlib.parse_arg(arg, ("data", "kind", "runlocal"), where)
-    data = configlib.choice(args, "data", "tfds", ("tfds", "local"), where)
-    kind = args.get("kind", "favor++")
-    runlocal = bool(args.get("runlocal", False))
+    args = configlib.parse_arg(arg, data="tfds", kind="favor++", runlocal=False)
+    data = configlib.choice("data", args.data, ("tfds", "local"))
 
     c = configlib.run_config(total_steps=1_000_000, batch_size=256, eval_batch_size=256, every=10_000,
                              keep_checkpoints=3)
@@ -43,10 +40,8 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.1, 0.1
     c.model.dtype = "float32"
     c.model.init_from = ""
-    c.model.attention = {"kind": kind, "num_features": 256, "coupling": "orthogonal", "redraw": "step"}
-    c.optim = ml_collections.ConfigDict(dict(name="adamw", lr=1e-4, schedule="linear", warmup_steps=10_000,
-                                             weight_decay=0.01, clip_norm=1.0, layer_decay=1.0, b1=0.9, b2=0.999,
-                                             eps=1e-6, accumulate_steps=1, end_lr_factor=0.0))
+    c.model.attention = configlib.attention(args.kind, num_features=256)
+    c.optim = configlib.optim(lr=1e-4, schedule="linear", warmup_steps=10_000, weight_decay=0.01, eps=1e-6)
     if data == "local":
         c.data.update(dataset="local", train_split="train", eval_split="validation", vocab_size=4000,
                       tokenizer_sample=10_000, max_length=128, max_eval_rows=512)
@@ -55,7 +50,7 @@ def get_config(arg=None):
         c.total_steps, c.batch_size, c.eval_batch_size = 3000, 64, 128
         c.checkpoint_every, c.eval_every, c.log_every = 500, 500, 50
         c.optim.update(lr=5e-4, warmup_steps=300)
-    if runlocal:
+    if args.runlocal:
         c.data.update(dataset="local", train_split="train", eval_split="validation", vocab_size=400,
                       tokenizer_sample=2000, max_length=32, max_documents=400, max_eval_rows=32)
         c.model.preset, c.model.vocab_size, c.model.max_positions = "tiny", 400, 32

@@ -32,11 +32,8 @@ from favor import configlib
 
 
 def get_config(arg=None):
-    where = "configs/conformer_librispeech.py"
-    args = configlib.parse_arg(arg, ("data", "kind", "runlocal"), where)
-    data = configlib.choice(args, "data", "tfds", ("tfds", "local"), where)
-    kind = args.get("kind", "favor++")
-    runlocal = bool(args.get("runlocal", False))
+    args = configlib.parse_arg(arg, data="tfds", kind="favor++", runlocal=False)
+    data = configlib.choice("data", args.data, ("tfds", "local"))
 
     c = configlib.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5000)
     vocab = ml_collections.FieldReference(256)       # the tokenizer's size and the CTC head's, one value
@@ -53,10 +50,8 @@ def get_config(arg=None):
     c.model.vocab_size = vocab
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
     c.model.dtype = "float32"
-    c.model.attention = {"kind": kind, "num_features": 16, "coupling": "orthogonal", "redraw": "step"}
-    c.optim = ml_collections.ConfigDict(dict(name="adamw", lr=1e-4, schedule="constant", warmup_steps=10_000,
-                                             weight_decay=0.0, clip_norm=1.0, layer_decay=1.0, b1=0.9, b2=0.98,
-                                             eps=1e-9, accumulate_steps=1, end_lr_factor=0.0))
+    c.model.attention = configlib.attention(args.kind, num_features=16)
+    c.optim = configlib.optim(lr=1e-4, schedule="constant", warmup_steps=10_000, weight_decay=0.0, b2=0.98, eps=1e-9)
 
     if data == "local":
         c.data.dataset, c.data.train_split, c.data.eval_split = "local", "train", "validation"
@@ -70,7 +65,7 @@ def get_config(arg=None):
         c.model.conv_kernel = 15
         c.model.attention.num_features = 32
         c.optim.update(lr=2e-3, schedule="cosine", warmup_steps=100, weight_decay=0.01)
-    if runlocal:
+    if args.runlocal:
         c.model.preset = "tiny"
         c.model.hidden, c.model.num_layers, c.model.heads, c.model.subsampling_channels = 32, 1, 2, 8
         c.model.conv_kernel = 3

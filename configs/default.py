@@ -18,11 +18,13 @@ import ml_collections
 from favor import configlib
 
 KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
-ARGS = ("runlocal", "kind", "variant", "lambda_", "features", "importance_sampling", "antithetic")
+# kind-specific attention options: empty / False means "the kind's own default" (only options the arg
+# names go into the attention block, so e.g. favor# keeps its own variant unless asked)
+KIND_OPTIONS = dict(variant="", lambda_="", features="", importance_sampling=False, antithetic=False)
 
 
 def get_config(arg=None):
-    args = configlib.parse_arg(arg, ARGS, "configs/default.py")
+    args = configlib.parse_arg(arg, runlocal=False, kind="favor++", **KIND_OPTIONS)
     c = configlib.run_config(total_steps=1500, batch_size=64, eval_batch_size=128, every=500, log_every=50)
     c.data = {"name": "digits", "test_fraction": 0.2, "split_seed": 0}
     c.task = {"name": "classification", "input": "image", "label_smoothing": 0.1}
@@ -36,17 +38,13 @@ def get_config(arg=None):
     c.model.pool, c.model.posemb = "mean", "sincos2d"
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
     c.model.dtype = "float32"
-    c.model.attention = {"kind": args.pop("kind", "favor++"), "num_features": 64, "coupling": "orthogonal",
-                         "redraw": "step"}
-    for extra in ("variant", "lambda_", "features", "importance_sampling", "antithetic"):
-        if extra in args:
-            value = args.pop(extra)
-            c.model.attention[extra] = {"True": True, "False": False}.get(value, value)
+    c.model.attention = configlib.attention(args.kind, num_features=64)
+    for key in KIND_OPTIONS:
+        if args[key]:
+            c.model.attention[key] = args[key]
 
-    c.optim = ml_collections.ConfigDict(dict(name="adamw", lr=2e-3, schedule="cosine", warmup_steps=100,
-                                             weight_decay=0.05, clip_norm=1.0, layer_decay=1.0, b1=0.9, b2=0.999,
-                                             eps=1e-8, accumulate_steps=1, end_lr_factor=0.0))
-    if args.pop("runlocal", False):
+    c.optim = configlib.optim(lr=2e-3, schedule="cosine", warmup_steps=100, weight_decay=0.05, eps=1e-8)
+    if args.runlocal:
         c.total_steps, c.batch_size, c.eval_batch_size = 64, 32, 128
         c.checkpoint_every, c.eval_every, c.log_every = 16, 32, 8
         c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim = 32, 1, 2, 64

@@ -45,19 +45,18 @@ VARIANTS = {   # CRT Tables 8 and 9
     "scratch": dict(epochs=200, batch=4096, base_lr=1e-4, warmup_epochs=20, weight_decay=0.3),
     "finetune": dict(epochs=50, batch=1024, base_lr=1e-3, warmup_epochs=5, weight_decay=0.05),
 }
-ARGS = ("variant", "data", "kind", "init", "grid", "runlocal")
 
 
 def get_config(arg=None):
-    where = "configs/vit_imagenet.py"
-    args = configlib.parse_arg(arg, ARGS, where)
-    variant = configlib.choice(args, "variant", "scratch", tuple(VARIANTS), where)
-    data = configlib.choice(args, "data", "tfds", ("tfds", "local"), where)
-    grid = args.get("grid")
-    if grid is not None and (not str(grid).isdigit() or int(grid) not in GRIDS):
+    # grid=0: no sequence-length ablation
+    args = configlib.parse_arg(arg, variant="scratch", data="tfds", kind="favor++", init="", grid=0, runlocal=False)
+    variant = configlib.choice("variant", args.variant, tuple(VARIANTS))
+    data = configlib.choice("data", args.data, ("tfds", "local"))
+    grid = args.grid
+    if grid and grid not in GRIDS:
         raise ValueError(f"configs/vit_imagenet.py: grid must be one of {', '.join(map(str, GRIDS))} "
                          f"(CRT Table 12); got {grid!r}")
-    if grid is not None and variant != "scratch":
+    if grid and variant != "scratch":
         raise ValueError("configs/vit_imagenet.py: the grid= ablation trains from scratch (CRT §9.10.5); "
                          "drop variant=finetune")
     v = VARIANTS[variant]
@@ -83,20 +82,18 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.0, 0.0     # MAE: no dropout (it uses drop path instead)
     c.model.dtype = "bfloat16"
     c.model.init_from = ""
-    c.model.attention = {"kind": args.get("kind", "favor++"), "num_features": 256, "coupling": "orthogonal",
-                         "redraw": "step"}
-    if grid is not None:                                  # CRT Tables 11-12: ViT-Ti at a chosen sequence length
+    c.model.attention = configlib.attention(args.kind, num_features=256)
+    if grid:                                              # CRT Tables 11-12: ViT-Ti at a chosen sequence length
         c.model.preset = "mini"
-        c.model.image_size, c.model.patch_size = GRIDS[int(grid)]
+        c.model.image_size, c.model.patch_size = GRIDS[grid]
         c.data.image_size = c.model.image_size
-    if variant == "finetune" and args.get("init"):
-        c.model.init_from = f"hf:{args['init']}"
+    if variant == "finetune" and args.init:
+        c.model.init_from = f"hf:{args.init}"
 
-    c.optim = ml_collections.ConfigDict(dict(
-        name="adamw", lr=v["base_lr"] * c.batch_size / 256, schedule="cosine",
-        warmup_steps=int(v["warmup_epochs"] * steps_per_epoch), weight_decay=v["weight_decay"],
-        clip_norm=0.0,                                    # MAE clips no gradients
-        layer_decay=0.75, b1=0.9, b2=0.999, eps=1e-8, accumulate_steps=1, end_lr_factor=0.0))
+    c.optim = configlib.optim(
+        lr=v["base_lr"] * c.batch_size / 256, schedule="cosine", warmup_steps=int(v["warmup_epochs"] * steps_per_epoch),
+        weight_decay=v["weight_decay"], eps=1e-8, layer_decay=0.75,
+        clip_norm=0.0)                                    # MAE clips no gradients
 
     if data == "local":
         # the digits job's model (configs/default.py) and a schedule sized for its 1,437 images; the
@@ -111,7 +108,7 @@ def get_config(arg=None):
         c.checkpoint_every, c.eval_every, c.log_every = 500, 500, 50
         c.optim.lr, c.optim.warmup_steps, c.optim.clip_norm = 2e-3, 100, 1.0
 
-    if args.get("runlocal"):
+    if args.runlocal:
         c.total_steps, c.batch_size, c.eval_batch_size = 4, 8, 16
         c.checkpoint_every, c.eval_every, c.log_every = 4, 4, 2
         c.model.preset, c.model.dtype = "tiny", "float32"

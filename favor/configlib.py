@@ -1,44 +1,369 @@
-"""What every configs/*.py shares: the arg string after the file name, and the run-loop keys.
+"""What every configs/*.py shares, and the one check of a whole config before a run builds anything.
 
     python train.py --config configs/<file>.py:data=local,kind=favor#,runlocal ...
+
+    args = configlib.parse_arg(arg, runlocal=False, kind="favor++", steps=0)   # typed by the defaults
+    c = configlib.run_config(total_steps=..., batch_size=..., eval_batch_size=..., every=...)
+    c.optim = configlib.optim(lr=1e-4, schedule="linear", warmup_steps=10_000, weight_decay=0.01)
+    configlib.validate(c)     # ConfigError naming the key, the value and what is allowed
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
 import ml_collections
 
-from favor.sharding import DEFAULT_RULES
+from favor import sharding
+from favor.sharding import DEFAULT_RULES, MESH_AXES
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
-def parse_arg(arg, valid, where: str) -> dict:
-    """"a=1,b,c=x" -> {"a": "1", "b": True, "c": "x"}; a key outside `valid` is an error naming it."""
-    out = {}
-    for part in filter(None, (arg or "").split(",")):
-        key, _, value = part.partition("=")
-        value = value.strip()
-        # "runlocal", "runlocal=true" -> True; "runlocal=false" -> False; anything else stays a string
-        out[key.strip()] = {"": True, "true": True, "false": False}.get(value.lower(), value)
-    bad = sorted(set(out) - set(valid))
-    if bad:
-        raise ValueError(f"{where}: unknown arg(s) {', '.join(bad)}; valid: {', '.join(valid)}")
-    return out
+# -- the arg string after the config file's name ------------------------------------------------------
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+    """"a=1,b,c=x" -> a ConfigDict with every key of `defaults`, each value converted to its default's type
+    (big_vision's style): bool from "True"/"False"/"1"/"0"/"yes"/"no" (a bare "b" is True), int, float, or
+    str. A key outside `defaults`, or a value that does not convert, is a ValueError naming it."""
+    out = dict(defaults)
+    for part in filter(None, (p.strip() for p in (arg or "").split(","))):
+        key, has_value, value = (s.strip() for s in part.partition("="))
+        if key not in defaults:
+            valid = ", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "none"
+            raise ValueError(f"unknown arg {key!r}; valid (with defaults): {valid}")
+        out[key] = _convert(key, value if has_value else None, defaults[key])
+    return ml_collections.ConfigDict(out)
 
 
-def choice(args: dict, key: str, default: str, allowed, where: str) -> str:
-    value = args.get(key, default)
-    if value not in allowed:
-        raise ValueError(f"{where}: unknown {key} {value!r}; valid: {', '.join(allowed)}")
+def _convert(key: str, value: str | None, default):
+    if isinstance(default, bool):          # before int: bool is an int subclass
+        if value is None or value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise ValueError(f"config arg {key}={value!r}: expected True or False (or 1/0)")
+    if value is None:
+        raise ValueError(f"config arg {key!r} needs a value ({key}=...; default {default!r})")
+    for kind, name in ((int, "an integer"), (float, "a number")):
+        if isinstance(default, kind):
+            try:
+                return kind(value)
+            except ValueError:
+                raise ValueError(f"config arg {key}={value!r}: expected {name}") from None
     return value
 
 
+def choice(name: str, value: str, allowed) -> str:
+    """`value` if it is one of `allowed`, else a ValueError listing them."""
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(str, allowed))}")
+    return value
+
+
+# -- shared blocks ----------------------------------------------------------------------------------
 def run_config(*, total_steps: int, batch_size: int, eval_batch_size: int, every: int, log_every: int = 100,
                keep_checkpoints: int = 2, seed: int = 0) -> ml_collections.ConfigDict:
     """The run-loop keys (checkpoints and evals every `every` steps; the mesh all data-parallel)."""
     c = ml_collections.ConfigDict()
-    c.seed = seed
-    c.total_steps, c.batch_size, c.eval_batch_size = total_steps, batch_size, eval_batch_size
-    c.checkpoint_every, c.eval_every, c.log_every, c.keep_checkpoints = every, every, log_every, keep_checkpoints
+    c.seed = int(seed)
+    c.total_steps, c.batch_size, c.eval_batch_size = int(total_steps), int(batch_size), int(eval_batch_size)
+    c.checkpoint_every, c.eval_every, c.log_every = int(every), int(every), int(log_every)
+    c.keep_checkpoints = int(keep_checkpoints)
     c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
     c.sharding_rules = dict(DEFAULT_RULES)
     c.prefetch = 2                     # host batches read ahead on a thread (0: read in the loop)
     return c
+
+
+OPTIM_DEFAULTS = dict(name="adamw", lr=1e-3, schedule="cosine", warmup_steps=0, weight_decay=0.0, clip_norm=1.0,
+                      layer_decay=1.0, b1=0.9, b2=0.999, eps=1e-8, accumulate_steps=1, end_lr_factor=0.0)
+OPTIM_OPTIONAL = {"momentum": 0.9}     # sgd only: present when a config sets it
+_INT_OPTIM = ("warmup_steps", "accumulate_steps")
+
+
+def optim(**overrides) -> ml_collections.ConfigDict:
+    """The `config.optim` block (favor.optim reads it): OPTIM_DEFAULTS with `overrides`.
+
+    Numbers are stored as float or int by key, whatever the caller wrote (`lr=1` is 1.0): a locked
+    config types each field by its value, and `--config.optim.lr=0.5` must parse against a float."""
+    valid = {**OPTIM_DEFAULTS, **OPTIM_OPTIONAL}
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(f"configlib.optim: unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    o = {**OPTIM_DEFAULTS, **overrides}
+    for k, v in o.items():
+        o[k] = int(v) if k in _INT_OPTIM else float(v) if isinstance(valid[k], float) else v
+    return ml_collections.ConfigDict(o)
+
+
+def attention(kind: str, num_features: int, redraw: str = "step", **options) -> dict:
+    """The `config.model.attention` block. It carries the random-feature options (so that
+    `--config.model.attention.kind=softmax` is a plain override; options a kind does not take are dropped
+    by `attention_options`) and `coupling=""`, which means the kind's own coupling (orthogonal, or simplex
+    for simrf): a locked config refuses to override a key it lacks, so the key must exist, but a value
+    here would override every kind's own (an "orthogonal" here once made simrf run FAVOR+)."""
+    return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, **options}
+
+
+def attention_options(block) -> dict:
+    """The attention block as `favor.attention.get` keywords: only the options the chosen kind takes
+    and no empty `coupling` (the kind's own). `ignored_attention_options` names what was left out."""
+    from favor import attention as attention_lib
+    options = {k: v for k, v in dict(block).items() if not (k == "coupling" and not v)}
+    kind = options.get("kind")
+    if kind not in attention_lib.names():
+        raise ValueError(f"unknown attention kind {kind!r} (config.model.attention.kind); "
+                         f"valid: {', '.join(attention_lib.names())}")
+    accepted = attention_lib.get(kind).OPTIONS
+    return {"kind": kind, **{k: v for k, v in options.items() if k in accepted}}
+
+
+def ignored_attention_options(block) -> list[str]:
+    """The options of the block that the kind does not take (an empty coupling is not one: it means
+    "the kind's own")."""
+    taken = attention_options(block)
+    return sorted(k for k, v in dict(block).items() if k not in taken and (k != "coupling" or v))
+
+
+# -- loading a config file -----------------------------------------------------------------------------
+def load(spec: str):
+    """The config of "path/to/file.py[:arg]", as `--config` loads it (not locked); for tools that need a
+    config outside train.py's flags (the sweep launcher, train.py's error messages)."""
+    path, _, arg = str(spec).partition(":")
+    module = load_module(path)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def load_module(path: str):
+    module_spec = importlib.util.spec_from_file_location(f"favor_config_{Path(path).stem}", path)
+    if module_spec is None or not Path(path).is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def missing_key(config, path: str) -> str | None:
+    """Why `config.<path>` does not exist, naming the keys that do (None if it exists)."""
+    node, walked = config, "config"
+    for part in path.split("."):
+        keys = list(node.keys()) if hasattr(node, "keys") else None
+        if keys is None:
+            return f"{walked} is a {type(node).__name__}, not a block of keys"
+        if part not in keys:
+            close = difflib.get_close_matches(part, keys, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"{walked} has no key {part!r}{hint}; its keys: {', '.join(sorted(keys))}"
+        node, walked = node[part], f"{walked}.{part}"
+    return None
+
+
+# -- validation ------------------------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """A config value that is not allowed: `config.<key>=<value>: <what is allowed>`."""
+
+    def __init__(self, key: str, value, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"config.{key}={value!r}: {allowed}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(c, key, minimum):
+    v = get(c, key)
+    if not _is_int(v) or v < minimum:
+        raise ConfigError(key, v, "must be a positive integer" if minimum == 1 else f"must be an integer ≥ {minimum}")
+    return v
+
+
+def _number(c, key, ok, what):
+    v = get(c, key)
+    if not _is_number(v) or not math.isfinite(v) or not ok(v):
+        raise ConfigError(key, v, what)
+    return float(v)
+
+
+def _one_of(c, key, allowed):
+    v = get(c, key)
+    if v not in allowed:
+        raise ConfigError(key, v, f"must be one of {', '.join(map(str, allowed))}")
+    return v
+
+
+def get(c, key: str):
+    """config.<key> for a dotted key ("optim.lr")."""
+    node = c
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def validate(config) -> None:
+    """Check every key a run reads, before anything is built or compiled; the first bad one is a
+    ConfigError `config.<key>=<value>: <what is allowed>`. Types and ranges of the run keys here; names
+    and options of registered things (attention kind, dataset, task, model) through their registries,
+    whose errors name the valid choices."""
+    required = ("seed", "total_steps", "batch_size", "eval_batch_size", "checkpoint_every", "eval_every", "log_every",
+                "keep_checkpoints", "mesh", "data", "task", "model", "optim")
+    missing = [k for k in required if k not in config]
+    if missing:
+        raise ConfigError(missing[0], None, "is required (every configs/*.py sets it through configlib.run_config)")
+    _int(config, "seed", 0)
+    _int(config, "total_steps", 0)
+    for key in ("checkpoint_every", "eval_every", "log_every", "keep_checkpoints"):
+        _int(config, key, 1)
+    if "prefetch" in config:
+        _int(config, "prefetch", 0)
+
+    # mesh, then the batch sizes it must divide
+    mesh_spec = dict(config.mesh)
+    for axis, n in mesh_spec.items():
+        if axis not in MESH_AXES:
+            raise ConfigError(f"mesh.{axis}", n, f"unknown mesh axis {axis!r}; valid: {', '.join(MESH_AXES)}")
+        if not _is_int(n) or (n < 1 and n != -1):
+            raise ConfigError(f"mesh.{axis}", n, "must be a positive integer, or -1 for the devices the other "
+                                                 "axes leave")
+    try:
+        sizes = sharding.mesh_shape(mesh_spec, jax.device_count())
+    except ValueError as e:
+        # name the axis when one alone departs from the default layout (the one the user set)
+        named = [a for a, n in mesh_spec.items() if n not in (1, -1)]
+        key, value = (f"mesh.{named[0]}", mesh_spec[named[0]]) if len(named) == 1 else ("mesh", mesh_spec)
+        raise ConfigError(key, value, str(e)) from None
+    rules = dict(config.get("sharding_rules", {}))
+    for name, axis in rules.items():
+        if axis is not None and axis not in MESH_AXES:
+            raise ConfigError(f"sharding_rules.{name}", axis, f"must be a mesh axis ({', '.join(MESH_AXES)}) or None")
+    accumulate = _validate_optim(config)
+    dp, procs = sizes["data"] * sizes["fsdp"], jax.process_count()
+    for key in ("batch_size", "eval_batch_size"):
+        v = get(config, key)
+        if not _is_int(v) or v < 1 or v % dp or v % procs:
+            procs_too = f" and by the {procs} processes" if procs > 1 else ""
+            raise ConfigError(key, v, f"must be a positive integer divisible by the number of data-parallel "
+                                      f"devices ({dp}){procs_too}")
+    per_device = config.batch_size // dp
+    if per_device % accumulate:       # each microbatch is split over the data-parallel devices too
+        raise ConfigError("optim.accumulate_steps", accumulate, f"must divide the per-device batch "
+                                                                f"(batch_size / {dp} devices = {per_device})")
+
+    _validate_model(config)
+    from favor import data, tasks
+    for key, module in (("data", data), ("task", tasks)):
+        name = dict(config[key]).get("name")
+        if name not in module.names():
+            raise ConfigError(f"{key}.name", name, f"must be one of {', '.join(module.names())}")
+        try:
+            module.check(config[key])           # option names (values: the source or task checks them)
+        except ValueError as e:
+            raise ConfigError(key, dict(config[key]), str(e)) from None
+
+
+def _validate_optim(config) -> int:
+    from favor import optim as optim_lib
+    o = "optim."
+    _one_of(config, o + "name", optim_lib.OPTIMIZERS)
+    _one_of(config, o + "schedule", optim_lib.SCHEDULES)
+    _number(config, o + "lr", lambda v: v > 0, "must be a finite number > 0")
+    _int(config, o + "warmup_steps", 0)
+    _number(config, o + "weight_decay", lambda v: v >= 0, "must be a finite number ≥ 0")
+    _number(config, o + "clip_norm", lambda v: v >= 0, "must be a finite number ≥ 0 (0: no clipping)")
+    _number(config, o + "layer_decay", lambda v: 0 < v <= 1, "must be in (0, 1] (1: off)")
+    for key in ("b1", "b2"):
+        _number(config, o + key, lambda v: 0 <= v < 1, "must be in [0, 1)")
+    _number(config, o + "eps", lambda v: v > 0, "must be a finite number > 0")
+    if "end_lr_factor" in config.optim:
+        _number(config, o + "end_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    if "momentum" in config.optim:
+        _number(config, o + "momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    unknown = sorted(set(config.optim) - set(OPTIM_DEFAULTS) - set(OPTIM_OPTIONAL))
+    if unknown:
+        raise ConfigError(o + unknown[0], config.optim[unknown[0]], f"is not an optimizer key; valid: "
+                          f"{', '.join([*OPTIM_DEFAULTS, *OPTIM_OPTIONAL])}")
+    return _int(config, o + "accumulate_steps", 1)
+
+
+def _validate_model(config) -> None:
+    from favor import attention as attention_lib
+    from favor import models
+    from favor.attention import schedule
+    m = config.model
+    for key in ("dtype", "param_dtype"):
+        if key in m:
+            _one_of(config, f"model.{key}", models.DTYPES)
+    block = dict(m.attention)
+    kind = block.get("kind")
+    if kind not in attention_lib.names():
+        raise ConfigError("model.attention.kind", kind, f"must be one of {', '.join(attention_lib.names())}")
+    if "redraw" in block:
+        try:
+            schedule.parse(block["redraw"])
+        except ValueError:
+            raise ConfigError("model.attention.redraw", block["redraw"], f"must be {schedule.HELP}") from None
+    options = attention_options(block)
+    try:
+        attention_lib.get(**options)
+    except (TypeError, ValueError) as e:
+        # the kind's message names the problem; the option that fails alone is the key to report
+        alone = [k for k in options if k != "kind" and _fails(attention_lib, kind, k, options[k])]
+        key = f"model.attention.{alone[0]}" if alone else "model.attention"
+        raise ConfigError(key, options[alone[0]] if alone else block, str(e)) from None
+    spec = str(m.get("init_from", "") or "")
+    if spec:
+        kind_, _, path = spec.partition(":")
+        if kind_ != "hf" or not path:
+            raise ConfigError("model.init_from", spec, "must be '' (fresh weights) or 'hf:<Hugging Face model "
+                                                       "directory>'")
+        if not Path(path).expanduser().is_dir():
+            raise ConfigError("model.init_from", spec, f"{path} is not a directory (a Hugging Face model "
+                                                       f"directory with config.json)")
+    d = m.to_dict()
+    name, preset = d.pop("name", None), d.pop("preset", "tiny")
+    d.pop("init_from", None)
+    if name not in models.names():
+        raise ConfigError("model.name", name, f"must be one of {', '.join(models.names())}")
+    if preset not in models.preset_names(name):
+        raise ConfigError("model.preset", preset, f"must be one of {', '.join(models.preset_names(name))}")
+    for key, v in d.items():
+        # every integer a model takes is a size or count (hidden, heads, layers, vocab, patches, ...)
+        if _is_int(v) and v < 1:
+            raise ConfigError(f"model.{key}", v, "must be a positive integer")
+        if key.endswith("dropout") and not (_is_number(v) and 0 <= v < 1):
+            raise ConfigError(f"model.{key}", v, "must be in [0, 1)")
+    d["attention"] = options
+    try:       # the rest (unknown keys, value choices): the model zoo's own check, which builds nothing
+        models.config(name, preset, **d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("model", f"{name}/{preset}", str(e)) from None
+
+
+def _fails(attention_lib, kind, key, value) -> bool:
+    try:
+        attention_lib.get(kind, **{key: value})
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
+def describe_type(value: Any) -> str:
+    """What a value of the type of `value` is, in words (for flag errors)."""
+    if isinstance(value, bool):
+        return "True or False"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, (tuple, list)):
+        return "a tuple, e.g. '(1, 2)'"
+    return f"a {type(value).__name__}"

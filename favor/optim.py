@@ -9,6 +9,12 @@ clipping, a weight-decay mask, and layer-wise learning-rate decay (ViT/BERT fine
     optim.layer_decay   1.0 = off; else layer i of n gets lr · layer_decay^(n + 1 − i) (embeddings i = 0,
                         head i = n + 1), as in BEiT / MAE fine-tuning
     optim.b1, optim.b2, optim.eps
+    optim.warmup_steps, optim.end_lr_factor (the decay's final lr / lr)
+    optim.accumulate_steps  microbatches per step (the trainer's scan; the update of the whole batch)
+    optim.momentum      sgd only (0.9 when absent)
+
+configs build the block with favor.configlib.optim (the shared defaults); favor.configlib.validate
+checks every value's range before a run.
 """
 
 from __future__ import annotations

@@ -1,57 +1,65 @@
 """The training loop: config -> mesh -> data -> model -> shardings -> step -> checkpoint -> eval -> loop.
 
-`run(config, workdir)` is what `train.py` calls. It reads top to bottom in those sections. The train
-state is a pytree {step, params, rest, opt_state, bad_step}: `params` the model's nnx.Param state,
-`rest` everything else the model holds (random-feature draws, dropout rng counters, batch stats).
+`run(config, workdir)` is what `train.py` calls; it is the list of those sections, each one call of a
+function below. The step functions (`train_step`, `gradients`, `eval_step`, `evaluate`) are module-level
+functions of (state, batch) whose static parts are keyword arguments, bound with functools.partial
+before jit (as the Flax examples do), so a test can call any of them alone.
+
+The train state is a pytree {step, params, rest, opt_state, bad_step}: `params` the model's nnx.Param
+state, `rest` everything else the model holds (random-feature draws, dropout rng counters, batch stats).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import signal
-import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+from clu import periodic_actions
 from flax import nnx
 
-from favor import attention as attention_lib
-from favor import checkpoint, data, models, optim, sharding, tasks
+from favor import checkpoint, configlib, data, models, optim, sharding, tasks
+from favor.attention import schedule
+from favor.configlib import attention_options
+from favor.data.prefetch import prefetch
 
 log = logging.getLogger("favor.train")
+
+FEATURES_STREAM = 0x0F0F        # ω's rng stream, apart from the params and dropout ones
+EVAL_FEATURES_STREAM = 0xE7A1   # the one ω every evaluation of a run uses
 
 
 class NonFiniteLoss(RuntimeError):
     """A step produced a non-finite loss, gradient or update; the message names the step."""
 
 
+class Summary(dict):
+    """What `run` returns and writes to summary.json; `.state` is the final train state (device
+    arrays, kept out of the JSON). A dict, so callers that only read the metrics index it as before."""
+
+    state: Any = None
+
+
 # -- config -> model ---------------------------------------------------------------------------------
-def attention_options(cfg) -> dict:
-    """The config's attention block, keeping only the options the chosen kind takes (the block
-    carries the random-feature options so that `--config.model.attention.kind=softmax` is a plain
-    override; they are meaningless for softmax and dropped with a log line)."""
-    block = dict(cfg)
-    kind = block.get("kind")
-    if kind not in attention_lib.names():
-        raise ValueError(f"unknown attention kind {kind!r} (config.model.attention.kind); "
-                         f"valid: {', '.join(attention_lib.names())}")
-    accepted = attention_lib.get(kind).OPTIONS
-    dropped = sorted(k for k in block if k != "kind" and k not in accepted)
-    if dropped:
-        log.info("attention %s does not take %s; ignored", kind, ", ".join(dropped))
-    return {"kind": kind, **{k: v for k, v in block.items() if k in accepted}}
-
-
 def model_builder(config):
+    """(build: () -> the model, the model's full keyword set) from `config.model`."""
     m = config.model.to_dict()
     name, preset = m.pop("name"), m.pop("preset", "tiny")
     m.pop("init_from", None)                          # a trainer option, not a model one (warm_start)
     m["attention"] = attention_options(config.model.attention)
+    ignored = configlib.ignored_attention_options(config.model.attention)
+    if ignored:
+        log.info("attention %s does not take %s; ignored", m["attention"]["kind"], ", ".join(ignored))
     full = models.config(name, preset, **m)          # validates every key before anything is built
     seed = int(config.seed)
 
@@ -80,18 +88,18 @@ def warm_start(config, abstract_params, shardings):
     return jax.device_put(params, shardings)
 
 
+def redraw_schedule(config) -> schedule.Redraw:
+    return schedule.parse(config.model.attention.get("redraw", "step"))
+
+
+def features_base(config):
+    return jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), FEATURES_STREAM)
+
+
 def features_key(config, step):
-    """ω for `step`: its own stream (not the params or dropout ones), folded with the step (or the
-    redraw window), so a resumed run draws exactly what an uninterrupted one does."""
-    redraw = str(config.model.attention.get("redraw", "step"))
-    base = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), 0x0F0F)
-    if redraw.startswith("every:"):
-        step = step // int(redraw.split(":", 1)[1])
-    return jax.random.fold_in(base, step)
-
-
-def redraws(config) -> bool:
-    return str(config.model.attention.get("redraw", "step")) != "fixed"
+    """ω for `step`: its own stream folded with the step's redraw window, so a resumed run draws
+    exactly what an uninterrupted one does."""
+    return redraw_schedule(config).key(features_base(config), step)
 
 
 def build_source(config):
@@ -105,27 +113,131 @@ def build_source(config):
     return source if source is not None else data.get(config.data)
 
 
-# -- the loop ------------------------------------------------------------------------------------------
-def run(config, workdir) -> dict:
-    t_start = time.perf_counter()
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    total_steps = int(config.total_steps)
-    accumulate = int(config.optim.get("accumulate_steps", 1))
+# -- the step functions ------------------------------------------------------------------------------
+def init_state(model, tx) -> dict:
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
+            "opt_state": tx.init(params), "bad_step": jnp.full((), -1, jnp.int32)}
 
-    # mesh
-    mesh = sharding.make_mesh(config.mesh)
-    sharding.check_batch(int(config.batch_size), mesh, accumulate)
-    sharding.check_batch(int(config.eval_batch_size), mesh, what="eval_batch_size")
-    rules = dict(config.sharding_rules)
 
-    # data
+def loss_fn(params, rest, batch, *, graphdef, task):
+    """(loss, (metrics, rest after the call)) of the task on one batch, in training mode."""
+    # copy=True: fresh Variables in this (grad) trace, so dropout may advance its rng counter
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    loss, metrics = task.loss(model, batch, deterministic=False)
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    return loss, (metrics, new_rest)
+
+
+def gradients(loss, params, rest, batch, accumulate: int = 1):
+    """(loss, metrics, rest, grads) of `loss(params, rest, batch) -> (loss, (metrics, rest))`. With
+    accumulate > 1 the batch is split into that many microbatches, run in a scan (the memory of one,
+    the update of all) and the losses, metrics and gradients averaged: equal to one big batch for a loss
+    that is a mean over equal microbatches."""
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    if accumulate == 1:
+        (value, (metrics, rest)), grads = grad_fn(params, rest, batch)
+        return value, metrics, rest, grads
+    micro = jax.tree.map(lambda x: x.reshape(accumulate, x.shape[0] // accumulate, *x.shape[1:]), batch)
+
+    def body(carry, mb):
+        g_sum, l_sum, m_sum, r = carry
+        (value, (m, r)), g = grad_fn(params, r, mb)
+        return (jax.tree.map(jnp.add, g_sum, g), l_sum + value, jax.tree.map(jnp.add, m_sum, m), r), None
+
+    shapes = jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], micro))
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+    carry = (zeros(shapes[1]), zeros(shapes[0][0]), zeros(shapes[0][1][0]), rest)
+    (grads, value, metrics, rest), _ = jax.lax.scan(body, carry, micro)
+    mean = lambda tree: jax.tree.map(lambda x: x / accumulate, tree)
+    return value / accumulate, mean(metrics), rest, mean(grads)
+
+
+def with_features(params, rest, *, graphdef, key):
+    """`rest` with every attention layer's ω drawn afresh from `key`."""
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    models.redraw_features(model, key)
+    return nnx.split(model, nnx.Param, ...)[2]
+
+
+def _all_finite(tree):
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def train_step(state, batch, *, graphdef, task, tx, lr_schedule, redraw: schedule.Redraw | None = None,
+               features_base=None, accumulate: int = 1):
+    """One optimizer step: (new state, metrics). `redraw` (with `features_base`, the ω stream's key):
+    the ω schedule, None to keep the stored ω. A non-finite loss, gradient or update is not applied:
+    the state stays and `bad_step` records the first such step (the loop stops on it)."""
+    step, rest = state["step"], state["rest"]
+    if redraw is not None and redraw.redraws:
+        rest = with_features(state["params"], rest, graphdef=graphdef, key=redraw.key(features_base, step))
+    loss, metrics, rest, grads = gradients(partial(loss_fn, graphdef=graphdef, task=task), state["params"], rest,
+                                           batch, accumulate)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    finite = jnp.isfinite(loss) & _all_finite(grads) & _all_finite(params)   # params: a bad lr shows there
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = {"step": step + 1, "params": keep(params, state["params"]), "rest": keep(rest, state["rest"]),
+                 "opt_state": keep(opt_state, state["opt_state"]),
+                 "bad_step": jnp.where(~finite & (state["bad_step"] < 0), step, state["bad_step"])}
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=lr_schedule(step))
+    return new_state, metrics
+
+
+def eval_step(params, rest, batch, *, graphdef, task):
+    return task.eval_outputs(nnx.merge(graphdef, params, rest, copy=True), batch)
+
+
+def evaluate(state, batches, *, step_fn, finalize, features_fn=None) -> dict:
+    """The task's metrics over `batches` (global arrays): `step_fn(params, rest, batch)` per batch, the
+    outputs brought to the host, then `finalize`. `features_fn(params, rest)`: the ω evaluation uses
+    (None: the stored one)."""
+    rest = state["rest"] if features_fn is None else features_fn(state["params"], state["rest"])
+    return finalize([jax.device_get(step_fn(state["params"], rest, batch)) for batch in batches])
+
+
+# -- the run's sections ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The model as the run knows it before any memory is used."""
+    graphdef: Any
+    init: Callable[[], dict]       # a fresh train state (jitted with out_shardings to create it)
+    abstract: dict                 # the train state's shapes and dtypes
+    logical: Any                   # the parameters' logical axis names
+    tx: optax.GradientTransformation
+    lr_schedule: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the train state and the batches live on the mesh."""
+    mesh: jax.sharding.Mesh
+    state: dict                    # a NamedSharding per train-state leaf
+    abstract: dict                 # the train state's ShapeDtypeStructs with those shardings
+    pad_hosts: bool                # the source sizes batches per host: pad hosts to a common shape
+
+    @property
+    def replicated(self):
+        return sharding.replicated(self.mesh)
+
+    @property
+    def batch(self):
+        return sharding.batch_sharding(self.mesh)
+
+    def global_batch(self, local):
+        return sharding.global_batch(local, self.mesh, self.pad_hosts)
+
+
+def make_data(config):
     source = build_source(config)
     task = tasks.get(config.task)
     if hasattr(task, "bind"):        # tasks that need what the data built (the CTC task decodes with its tokenizer)
         task.bind(source)
+    return source, task
 
-    # model (abstract first: shapes and shardings before any memory is used)
+
+def make_model(config, source) -> Model:
     build, model_cfg = model_builder(config)
     needed = getattr(source, "vocab_size", None)     # a tokenizer's vocabulary must fit the embedding
     if needed and "vocab_size" in model_cfg and model_cfg["vocab_size"] < needed:
@@ -133,251 +245,181 @@ def run(config, workdir) -> dict:
                          f"{needed} pieces; set --config.model.vocab_size={needed} (or larger)")
     abstract_model = nnx.eval_shape(build)
     graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-    tx, lr_schedule = optim.make(config.optim, total_steps, params=abs_params, num_layers=model_cfg["num_layers"])
+    tx, lr_schedule = optim.make(config.optim, int(config.total_steps), params=abs_params,
+                                 num_layers=model_cfg["num_layers"])
+    init = lambda: init_state(build(), tx)
+    return Model(graphdef, init, jax.eval_shape(init), models.logical_axes(abstract_model), tx, lr_schedule)
 
-    def init():
-        _, params, rest = nnx.split(build(), nnx.Param, ...)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
-                "opt_state": tx.init(params), "bad_step": jnp.full((), -1, jnp.int32)}
 
-    abstract = jax.eval_shape(init)
-    logical = models.logical_axes(abstract_model)
-    param_sh = sharding.param_shardings(abstract["params"], logical, mesh, rules)
+def make_layout(model: Model, mesh, rules, source) -> Layout:
+    param_sh = sharding.param_shardings(model.abstract["params"], model.logical, mesh, dict(rules))
     rep = sharding.replicated(mesh)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], param_sh,
+    opt_sh = optax.tree_map_params(model.tx, lambda _, s: s, model.abstract["opt_state"], param_sh,
                                    transform_non_params=lambda _: rep)
-    state_sh = {"step": rep, "params": param_sh, "rest": jax.tree.map(lambda _: rep, abstract["rest"]),
+    state_sh = {"step": rep, "params": param_sh, "rest": jax.tree.map(lambda _: rep, model.abstract["rest"]),
                 "opt_state": opt_sh, "bad_step": rep}
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, state_sh)
+    return Layout(mesh, state_sh, abstract, bool(getattr(source, "host_dependent_shapes", False)))
 
-    # step
-    def loss_fn(params, rest, batch):
-        # copy=True: fresh Variables in this (grad) trace, so dropout may advance its rng counter
-        model = nnx.merge(graphdef, params, rest, copy=True)
-        loss, metrics = task.loss(model, batch, deterministic=False)
-        _, _, new_rest = nnx.split(model, nnx.Param, ...)
-        return loss, (metrics, new_rest)
 
-    def train_step(state, batch):
-        step = state["step"]
-        rest = state["rest"]
-        if redraws(config):
-            key = features_key(config, step)
-            model = nnx.merge(graphdef, state["params"], rest, copy=True)
-            models.redraw_features(model, key)
-            _, _, rest = nnx.split(model, nnx.Param, ...)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        if accumulate == 1:
-            (loss, (metrics, rest)), grads = grad_fn(state["params"], rest, batch)
-        else:   # microbatches in a scan: memory of one, the update of all
-            micro = jax.tree.map(lambda x: x.reshape(accumulate, x.shape[0] // accumulate, *x.shape[1:]), batch)
+def make_train_step(config, model: Model, task, layout: Layout):
+    step = partial(train_step, graphdef=model.graphdef, task=task, tx=model.tx, lr_schedule=model.lr_schedule,
+                   redraw=redraw_schedule(config), features_base=features_base(config),
+                   accumulate=int(config.optim.accumulate_steps))
+    return jax.jit(step, in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, layout.replicated),
+                   donate_argnums=0)
 
-            def body(carry, mb):
-                g_sum, l_sum, m_sum, r = carry
-                (l, (m, r)), g = grad_fn(state["params"], r, mb)
-                return (jax.tree.map(jnp.add, g_sum, g), l_sum + l, jax.tree.map(jnp.add, m_sum, m), r), None
 
-            zeros_g = jax.tree.map(jnp.zeros_like, state["params"])
-            shapes = jax.eval_shape(grad_fn, state["params"], rest, jax.tree.map(lambda x: x[0], micro))
-            zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0][1][0])
-            (grads, loss, metrics, rest), _ = jax.lax.scan(body, (zeros_g, 0.0, zeros_m, rest), micro)
-            grads = jax.tree.map(lambda g: g / accumulate, grads)
-            loss, metrics = loss / accumulate, jax.tree.map(lambda m: m / accumulate, metrics)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        all_finite = lambda t: jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)]))
-        finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(params)   # params: a bad lr shows there
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        new_state = {"step": step + 1, "params": keep(params, state["params"]), "rest": keep(rest, state["rest"]),
-                     "opt_state": keep(opt_state, state["opt_state"]),
-                     "bad_step": jnp.where(~finite & (state["bad_step"] < 0), step, state["bad_step"])}
-        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=lr_schedule(step))
-        return new_state, metrics
+def restore_or_init(config, workdir: Path, model: Model, layout: Layout):
+    """(checkpointer, state, start step): the newest whole checkpoint, else a fresh (or warm) state."""
+    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=int(config.keep_checkpoints))
+    restored = ckpt.restore_latest(layout.abstract)
+    if restored is None:
+        state = jax.jit(model.init, out_shardings=layout.state)()
+        if config.model.get("init_from"):
+            state["params"] = warm_start(config, layout.abstract["params"], layout.state["params"])
+        return ckpt, state, 0
+    state, meta, start = restored
+    log.info("resumed from step %d (%s)", start, ckpt.directory)
+    if int(meta.get("data_position", start)) != start:
+        raise RuntimeError(f"checkpoint {start}: data position {meta['data_position']} != step {start}")
+    return ckpt, state, start
 
-    batch_sh = sharding.batch_sharding(mesh)
-    pad_hosts = bool(getattr(source, "host_dependent_shapes", False))
-    train_step = jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep),
-                         donate_argnums=0)
 
-    eval_key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), 0xE7A1)
-
-    @jax.jit
-    def eval_rest(params, rest):
-        """The model state evaluation uses: one fixed ω for every evaluation of a run."""
-        model = nnx.merge(graphdef, params, rest, copy=True)
-        models.redraw_features(model, eval_key)
-        return nnx.split(model, nnx.Param, ...)[2]
-
+def make_evaluate(config, model: Model, task, source, layout: Layout) -> Callable[[dict], dict]:
+    """state -> the task's metrics on the whole eval split, with one fixed ω for every evaluation of a run."""
+    features_fn = None
+    if redraw_schedule(config).redraws:
+        key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), EVAL_FEATURES_STREAM)
+        features_fn = jax.jit(partial(with_features, graphdef=model.graphdef, key=key))
     # outputs replicated: every host gets the whole batch's outputs (per-example predictions included),
     # so the host-side metrics (GLUE F1, WER) see the full split on any number of processes
-    @partial(jax.jit, out_shardings=rep)
-    def eval_step(params, rest, batch):
-        return task.eval_outputs(nnx.merge(graphdef, params, rest, copy=True), batch)
+    step_fn = jax.jit(partial(eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
 
-    def evaluate(state):
-        rest = eval_rest(state["params"], state["rest"]) if redraws(config) else state["rest"]
-        outputs = [jax.device_get(eval_step(state["params"], rest, sharding.global_batch(local, mesh, pad_hosts)))
-                   for local in source.eval_batches(int(config.eval_batch_size))]
-        return task.finalize(outputs)
+    def run_eval(state):
+        batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
+        return evaluate(state, batches, step_fn=step_fn, finalize=task.finalize, features_fn=features_fn)
+    return run_eval
 
-    # checkpoint: restore the newest whole one, else initialise
-    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=int(config.keep_checkpoints))
-    restored = ckpt.restore_latest(abstract)
-    if restored is None:
-        state = jax.jit(init, out_shardings=state_sh)()
-        start = 0
-        if config.model.get("init_from"):
-            state["params"] = warm_start(config, abstract["params"], param_sh)
-    else:
-        state, meta, start = restored
-        log.info("resumed from step %d (%s)", start, ckpt.directory)
-        if int(meta.get("data_position", start)) != start:
-            raise RuntimeError(f"checkpoint {start}: data position {meta['data_position']} != step {start}")
 
-    def check_finite():
-        bad = int(jax.device_get(state["bad_step"]))
-        if bad >= 0:
-            raise NonFiniteLoss(f"non-finite loss or gradient at step {bad}; stopped. The update of that step was "
-                                f"not applied and no non-finite state was saved (last checkpoint: "
-                                f"{ckpt.steps()[-1] if ckpt.steps() else 'none'})")
+def check_finite(state, ckpt):
+    bad = int(jax.device_get(state["bad_step"]))
+    if bad >= 0:
+        raise NonFiniteLoss(f"non-finite loss or gradient at step {bad}; stopped. The update of that step was "
+                            f"not applied and no non-finite state was saved (last checkpoint: "
+                            f"{ckpt.steps()[-1] if ckpt.steps() else 'none'})")
 
-    def save(step):
-        check_finite()
-        ckpt.save(step, state, {"step": step, "data_position": step, "config": config.to_json()})
 
-    # metrics
-    from clu import metric_writers
-    writer = metric_writers.create_default_writer(str(workdir / "tensorboard"), just_logging=jax.process_index() > 0)
-    stop = {"signal": None}
+def save(ckpt, state, step: int, config):
+    check_finite(state, ckpt)
+    ckpt.save(step, state, {"step": step, "data_position": step, "config": config.to_json()})
 
-    def on_sigterm(signum, frame):
-        stop["signal"] = signum
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if _main_thread() else None
 
-    # loop
-    log_every = int(config.get("log_every", 50))
-    batches = prefetch(source.train_batches(int(config.batch_size), start, int(config.seed)),
-                       int(config.get("prefetch", 2)))
-    history = {"train_loss": None, "losses": [], "evals": []}
-    eval_metrics = {}
-    t0, s0 = time.perf_counter(), start
-    bar = _progress(total_steps, start)
+class Progress(periodic_actions.ReportProgress):
+    """clu's progress report every `every_steps` and at the last step (steps/s, ETA and the share of
+    time in eval as the work unit's note; `steps_per_sec` and `uptime` in TensorBoard), keeping the
+    rate of the latest window for the loop's log line and examples/s."""
+
+    def __init__(self, **kwargs):
+        # every_secs off: the report comes at logging steps only, right after the loop's device sync,
+        # so each window's rate counts finished steps, not dispatched ones
+        super().__init__(every_secs=None, **kwargs)
+        self.steps_per_second = None
+
+    def _apply(self, step, t):
+        self.steps_per_second = (step - self._previous_step) / max(t - self._previous_time, 1e-9)
+        super()._apply(step, t)
+
+
+@contextlib.contextmanager
+def preemption():
+    """An Event that SIGTERM sets while the loop runs (handlers can only be set from the main thread;
+    elsewhere, e.g. a notebook's worker thread, the Event is never set)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
-        for step in range(start, total_steps):
-            state, metrics = train_step(state, sharding.global_batch(next(batches), mesh, pad_hosts))
-            done = step + 1
-            last = done == total_steps
-            if done % log_every == 0 or last or stop["signal"]:
-                check_finite()
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                rate = (done - s0) / max(time.perf_counter() - t0, 1e-9)
-                m.update(steps_per_second=rate, examples_per_second=rate * int(config.batch_size))
-                writer.write_scalars(done, m)
-                history.update(train_loss=m["loss"], steps_per_second=rate)
-                history["losses"].append((done, m["loss"]))
-                bar(done, m)
-            if done % int(config.eval_every) == 0 or last:
-                eval_metrics = evaluate(state)
-                history["evals"].append({"step": done, "seconds": time.perf_counter() - t_start, **eval_metrics})
-                writer.write_scalars(done, {f"eval/{k}": v for k, v in eval_metrics.items()})
-                log.info("step %d eval %s", done, eval_metrics)
-            if done % int(config.checkpoint_every) == 0 or last or stop["signal"]:
-                save(done)
-            if stop["signal"]:
-                ckpt.wait()
-                log.warning("SIGTERM at step %d: checkpoint saved, exiting", done)
-                break
+        yield stop
     finally:
-        batches.close()
-        ckpt.close()
-        writer.flush()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        bar(None, None)
+        signal.signal(signal.SIGTERM, previous)
 
-    if not eval_metrics and not stop["signal"]:   # resumed at the end already: still report the metrics
-        eval_metrics = evaluate(state)
-    final_step = int(jax.device_get(state["step"]))
-    summary = {"step": final_step, "train_loss": history["train_loss"], **eval_metrics,
-               "steps_per_second": history.get("steps_per_second"), "attention": config.model.attention.kind,
-               "checkpoint_dir": str(ckpt.directory), "tensorboard_dir": str((workdir / "tensorboard").absolute()),
-               "preempted": stop["signal"] is not None, "train_loss_history": history["losses"],
-               "eval_history": history["evals"]}
+
+def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn, ckpt, source, layout: Layout,
+               t_start: float) -> Summary:
+    from clu import metric_writers
+    total, log_every, batch_size = int(config.total_steps), int(config.log_every), int(config.batch_size)
+    writer = metric_writers.create_default_writer(str(workdir / "tensorboard"), just_logging=jax.process_index() > 0)
+    progress = Progress(num_train_steps=total, every_steps=log_every, writer=writer)
+    batches = prefetch(source.train_batches(batch_size, start, int(config.seed)), int(config.get("prefetch", 2)))
+    history = {"train_loss": None, "steps_per_second": None, "losses": [], "evals": []}
+    eval_metrics = {}
+    with preemption() as stop:
+        try:
+            for step in range(start, total):
+                state, metrics = step_fn(state, layout.global_batch(next(batches)))
+                done = step + 1
+                last = done == total
+                logging_step = done % log_every == 0 or last or stop.is_set()
+                if logging_step:
+                    check_finite(state, ckpt)
+                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                progress(done)
+                if logging_step:
+                    rate = progress.steps_per_second
+                    if rate is not None:
+                        m["examples_per_sec"] = rate * batch_size
+                    writer.write_scalars(done, m)
+                    history.update(train_loss=m["loss"], steps_per_second=rate)
+                    history["losses"].append((done, m["loss"]))
+                    speed = "" if rate is None else f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s"
+                    log.info("step %d/%d: loss %.4f%s", done, total, m["loss"], speed)
+                if done % int(config.eval_every) == 0 or last:
+                    # no dispatch barrier: evaluate ends by fetching its outputs, so its time is whole
+                    with progress.timed("eval", wait_jax_async_dispatch=False):
+                        eval_metrics = evaluate_fn(state)
+                    history["evals"].append({"step": done, "seconds": time.perf_counter() - t_start, **eval_metrics})
+                    writer.write_scalars(done, {f"eval/{k}": v for k, v in eval_metrics.items()})
+                    log.info("step %d eval %s", done, eval_metrics)
+                if done % int(config.checkpoint_every) == 0 or last or stop.is_set():
+                    save(ckpt, state, done, config)
+                if stop.is_set():
+                    ckpt.wait()
+                    log.warning("SIGTERM at step %d: checkpoint saved, exiting", done)
+                    break
+        finally:
+            batches.close()
+            ckpt.close()
+            writer.flush()
+
+    if not eval_metrics and not stop.is_set():   # resumed at the end already: still report the metrics
+        eval_metrics = evaluate_fn(state)
+    summary = Summary({"step": int(jax.device_get(state["step"])), "train_loss": history["train_loss"], **eval_metrics,
+                       "steps_per_second": history["steps_per_second"], "attention": config.model.attention.kind,
+                       "checkpoint_dir": str(ckpt.directory),
+                       "tensorboard_dir": str((workdir / "tensorboard").absolute()), "preempted": stop.is_set(),
+                       "train_loss_history": history["losses"], "eval_history": history["evals"]})
+    summary.state = state
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
-    run.last_state = state       # for tests and notebooks: the final train state
     return summary
 
 
-class prefetch:
-    """Host batches read `depth` ahead on a background thread, so decoding and augmentation (log-mel,
-    image crops, MLM masking) overlap the device step. The order is the iterator's: resumption and
-    determinism are unchanged. An exception in the reader is raised in the loop; `close()` stops the
-    thread (the loop calls it however it ends), so no reader outlives its run."""
-
-    def __init__(self, iterator, depth: int):
-        import queue
-        import threading
-        self.iterator, self.depth = iterator, int(depth)
-        self.queue: queue.Queue = queue.Queue(maxsize=max(self.depth, 1))
-        self.stop = threading.Event()
-        self.thread = None
-        if self.depth > 0:
-            self.thread = threading.Thread(target=self._read, name="favor-prefetch", daemon=True)
-            self.thread.start()
-
-    def _put(self, item) -> bool:
-        import queue
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _read(self):
-        try:
-            for item in self.iterator:
-                if not self._put(item):
-                    return
-        except BaseException as e:         # handed to the loop, which raises it
-            self._put(e)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.thread is None:
-            return next(self.iterator)
-        item = self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self):
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(timeout=5)
-
-
-def _main_thread():
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
-def _progress(total, start):
-    """A one-line progress bar on stderr: step, loss, steps/s, examples/s."""
-    width = 30
-
-    def show(done, m):
-        if done is None:
-            sys.stderr.write("\n")
-            return
-        filled = int(width * done / max(total, 1))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} loss {m['loss']:.4f} "
-                         f"{m['steps_per_second']:.1f} steps/s {m['examples_per_second']:.0f} ex/s")
-        sys.stderr.flush()
-    return show
-
-
+# -- the run ---------------------------------------------------------------------------------------------
+def run(config, workdir) -> Summary:
+    """Train `config` in `workdir`, resuming from its newest whole checkpoint. Returns the summary
+    (also written to workdir/summary.json) with the final train state as `summary.state`."""
+    t_start = time.perf_counter()
+    configlib.validate(config)           # every key, before anything is built or compiled
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    mesh = sharding.make_mesh(config.mesh)
+    source, task = make_data(config)
+    model = make_model(config, source)
+    layout = make_layout(model, mesh, config.sharding_rules, source)
+    step_fn = make_train_step(config, model, task, layout)
+    ckpt, state, start = restore_or_init(config, workdir, model, layout)
+    evaluate_fn = make_evaluate(config, model, task, source, layout)
+    return train_loop(config, workdir, state, start, step_fn=step_fn, evaluate_fn=evaluate_fn, ckpt=ckpt,
+                      source=source, layout=layout, t_start=t_start)

@@ -11,21 +11,19 @@ the sweep with its exit code; rerunning resumes every run from its checkpoints.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from favor import configlib  # noqa: E402  (after the path: run as a script from anywhere)
 
 
 def load_sweep(config_path: str):
-    path = Path(config_path.split(":", 1)[0])
-    spec = importlib.util.spec_from_file_location("sweep_config", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT))
-    spec.loader.exec_module(module)
+    path = config_path.split(":", 1)[0]
+    module = configlib.load_module(path)
     if not hasattr(module, "sweep"):
         raise SystemExit(f"{path} has no sweep() function")
     return list(module.sweep())

@@ -1,11 +1,13 @@
-"""Every shipped config builds in each of its variants; the arg string parses strictly."""
+"""Every shipped config builds in each of its variants and passes validation; the arg string parses into
+typed values; every attention kind a config can name is the kind it names (no coupling forced on it)."""
 
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from favor import configlib
+from favor import attention, configlib, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -13,28 +15,93 @@ from configs import bert_glue, bert_pretrain, conformer_librispeech, default, vi
 
 RUN_KEYS = ("seed", "total_steps", "batch_size", "eval_batch_size", "checkpoint_every", "eval_every", "log_every",
             "keep_checkpoints", "mesh", "sharding_rules", "prefetch", "data", "task", "model", "optim")
+CONFIG_FILES = sorted(p.name for p in (ROOT / "configs").glob("*.py") if p.name != "__init__.py")
 
 
 @pytest.mark.parametrize("module,arg", [
     (default, ""), (default, "runlocal"), (default, "kind=favor#,variant=saderf"),
     (bert_glue, "task=mrpc"), (bert_glue, "task=stsb,runlocal"),
     (bert_pretrain, ""), (bert_pretrain, "data=local"), (bert_pretrain, "runlocal"),
-    (vit_imagenet, ""), (vit_imagenet, "variant=finetune,init=/ckpt/vit"), (vit_imagenet, "grid=16"),
+    (vit_imagenet, ""), (vit_imagenet, "variant=finetune,init={tmp}"), (vit_imagenet, "grid=16"),
     (vit_imagenet, "data=local"), (conformer_librispeech, ""), (conformer_librispeech, "data=local,kind=favor+"),
 ])
-def test_every_config_variant_builds(module, arg):
-    c = module.get_config(arg)
+def test_every_config_variant_builds_and_validates(module, arg, tmp_path):
+    c = module.get_config(arg.format(tmp=tmp_path))
     assert all(k in c for k in RUN_KEYS)
     assert c.batch_size % 2 == 0 and c.total_steps > 0 and c.model.attention.kind
+    configlib.validate(c)
 
 
-def test_arg_strings_parse_strictly():
-    assert configlib.parse_arg("runlocal,kind=favor#,x=false", ("runlocal", "kind", "x"), "w") == \
-        {"runlocal": True, "kind": "favor#", "x": False}
-    assert default.get_config("runlocal=false").total_steps == default.get_config().total_steps
-    with pytest.raises(ValueError, match="configs/bert_pretrain.py: unknown arg.s. dat; valid: data, kind, runlocal"):
+def test_arg_strings_parse_into_the_types_of_the_defaults():
+    args = configlib.parse_arg("runlocal,kind=favor#,steps=12,lr=0.5,flag=0,other=False",
+                               runlocal=False, kind="favor++", steps=0, lr=1.0, flag=True, other=True, name="x")
+    assert args.to_dict() == {"runlocal": True, "kind": "favor#", "steps": 12, "lr": 0.5, "flag": False,
+                              "other": False, "name": "x"}
+    assert isinstance(args.steps, int) and isinstance(args.lr, float)
+    with pytest.raises(ValueError, match=r"unknown arg 'dat'; valid \(with defaults\): data='tfds', kind="):
         bert_pretrain.get_config("dat=local")
+    with pytest.raises(ValueError, match="config arg grid='abc': expected an integer"):
+        vit_imagenet.get_config("grid=abc")
+    with pytest.raises(ValueError, match="config arg runlocal='maybe': expected True or False"):
+        default.get_config("runlocal=maybe")
+    with pytest.raises(ValueError, match="config arg 'kind' needs a value"):
+        default.get_config("kind")
     with pytest.raises(ValueError, match="unknown data 'web'; valid: tfds, local"):
         conformer_librispeech.get_config("data=web")
     with pytest.raises(ValueError, match="unknown task 'sst'"):
         bert_glue.get_config("task=sst")
+    assert default.get_config("runlocal=false").total_steps == default.get_config().total_steps
+    assert default.get_config("runlocal=1").total_steps == default.get_config("runlocal").total_steps
+    assert vit_imagenet.get_config("grid=16").model.patch_size == 14
+
+
+def test_kind_options_in_the_arg_reach_the_attention_block():
+    block = default.get_config("kind=hrf,lambda_=gaussian,importance_sampling=True").model.attention
+    assert block.kind == "hrf" and block.lambda_ == "gaussian" and block.importance_sampling is True
+    assert "variant" not in block and "antithetic" not in block     # unnamed: each kind keeps its default
+
+
+def test_one_optimizer_block():
+    o = configlib.optim(lr=1, warmup_steps=10.0, b2=0.98)
+    assert sorted(o) == sorted(configlib.OPTIM_DEFAULTS) and len(o) == 12
+    assert o.lr == 1.0 and isinstance(o.lr, float) and o.warmup_steps == 10 and isinstance(o.warmup_steps, int)
+    assert o.b2 == 0.98 and o.name == "adamw" and o.accumulate_steps == 1
+    with pytest.raises(ValueError, match="unknown key.s. beta1; valid: name, lr"):
+        configlib.optim(beta1=0.9)
+    assert bert_pretrain.get_config().optim.to_dict() == dict(configlib.OPTIM_DEFAULTS, lr=1e-4, schedule="linear",
+                                                              warmup_steps=10_000, weight_decay=0.01, eps=1e-6)
+
+
+EXPECTED_MECHANISM = {"favor": "trig", "favor+": "positive", "favor++": "oprf", "favor#": "sderf",
+                      "hrf": "hrf-angular", "simrf": "positive"}
+
+
+@pytest.mark.parametrize("config_file", CONFIG_FILES)
+@pytest.mark.parametrize("kind", attention.names())
+def test_each_kind_is_built_as_it_names_itself(config_file, kind):
+    """Built exactly as the trainer builds it: no config may force a coupling on a kind (an orthogonal
+    coupling turned simrf into FAVOR+), so each RF kind gets its own mechanism and coupling."""
+    config = configlib.load(str(ROOT / "configs" / config_file))
+    config.model.attention.kind = kind
+    attn = attention.get(**trainer.attention_options(config.model.attention))
+    assert attn.name == kind
+    if isinstance(attn, attention.RandomFeatureAttention):
+        assert attn.mech.name == EXPECTED_MECHANISM[kind]
+        assert attn.coupling == ("simplex" if kind == "simrf" else "orthogonal")
+
+
+def test_a_coupling_the_user_asks_for_is_kept():
+    config = default.get_config("kind=favor+")
+    config.model.attention.coupling = "iid"              # --config.model.attention.coupling=iid
+    assert attention.get(**trainer.attention_options(config.model.attention)).coupling == "iid"
+
+
+def test_speech_data_and_the_conformer_agree_on_the_subsampling():
+    """favor.data.speech states the Conformer's subsampling arithmetic itself (data does not import
+    models); the model keeps its own. They must agree, or buckets and label widths are sized wrong."""
+    from favor.data import speech
+    from favor.models import conformer
+    frames = np.arange(0, 3000)
+    assert speech.MIN_FRAMES == conformer.MIN_FRAMES
+    np.testing.assert_array_equal(speech.subsampled_length(frames), np.asarray(conformer.subsampled_length(frames)))
+    assert int(speech.subsampled_length(speech.MIN_FRAMES)) == 1 and int(speech.subsampled_length(6)) == 0

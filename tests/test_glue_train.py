@@ -44,14 +44,13 @@ def test_warm_start_from_hugging_face_bert(vocab, tmp_path):
     ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
     config = bert_glue.get_config(f"task=sst2,vocab={vocab},runlocal")
     config.model.init_from = f"hf:{tmp_path / 'hf'}"
-    config.optim.lr = 0.0                      # nothing moves: the final params are the checkpoint's
-    config.total_steps = 2
+    config.total_steps = 0                     # no step: the final params are the checkpoint's
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
-        trainer.run(config, tmp_path / "run")
-    params = trainer.run.last_state["params"]
+        summary = trainer.run(config, tmp_path / "run")
+    params = summary.state["params"]
     w = np.asarray(params["layers"][0]["attention"]["query"]["kernel"][...])
     np.testing.assert_allclose(w, ref.bert.encoder.layer[0].attention.self.query.weight.detach().numpy().T, atol=1e-6)
     config.model.init_from = "bert-base-uncased"
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
-        with pytest.raises(ValueError, match="expected 'hf:<Hugging Face model directory>'"):
+        with pytest.raises(ValueError, match="must be '' .fresh weights. or 'hf:<Hugging Face model directory>'"):
             trainer.run(config, tmp_path / "bad")

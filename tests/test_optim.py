@@ -6,21 +6,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from favor import models, optim
+from favor import configlib, models, optim
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def ocfg(**kw):
-    base = dict(name="adamw", lr=1e-3, schedule="cosine", warmup_steps=10, weight_decay=0.1, clip_norm=0.0,
-                layer_decay=1.0, b1=0.9, b2=0.999, eps=1e-8, accumulate_steps=1, end_lr_factor=0.0)
-    return ml_collections.ConfigDict({**base, **kw})
+    return configlib.optim(**{"lr": 1e-3, "warmup_steps": 10, "weight_decay": 0.1, "clip_norm": 0.0, **kw})
 
 
 def test_schedules_warm_up_then_decay():

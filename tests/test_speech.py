@@ -181,12 +181,90 @@ def test_librispeech_runlocal_trains_and_reports_wer(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_corpus(tmp_path_factory):
-    # no skip without espeak-ng: the builder's own error says how to install it (.ci/run does)
+    # built as on a fresh machine: no espeak-ng program, only the library the espeakng-loader dependency ships
+    # (no skip: if it cannot load, the builder's error names the pip command)
     import favor.data.espeak  # noqa: F401  (registers favor_speech)
     root = tmp_path_factory.mktemp("tfds")
     builder = tfds.builder("favor_speech/tiny", data_dir=str(root), file_format="array_record")
-    builder.download_and_prepare()
+    with pytest.MonkeyPatch.context() as mp:
+        hide_espeak_program(mp, tmp_path_factory.mktemp("empty_path"))
+        builder.download_and_prepare()
     return builder, root
+
+
+def hide_espeak_program(monkeypatch, empty_dir):
+    from favor.data import espeak
+    monkeypatch.setenv("PATH", str(empty_dir))
+    monkeypatch.setattr(espeak.shutil, "which", lambda name: None)
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"ran a program: {args}")
+    monkeypatch.setattr(espeak.subprocess, "run", no_subprocess)
+
+
+def loud_to_quiet(x):
+    """Loudest over quietest 10 ms frames (RMS) of 22.05 kHz audio: speech with pauses, not noise or silence."""
+    frames = x[:len(x) // 220 * 220].reshape(-1, 220).astype(np.float64)
+    rms = np.sort(np.sqrt(np.mean(frames ** 2, 1)))
+    return rms[-5:].mean() / max(rms[:5].mean(), 1e-9)
+
+
+def test_espeak_library_speaks_without_the_espeak_program(tmp_path, monkeypatch):
+    from favor.data import espeak
+    hide_espeak_program(monkeypatch, tmp_path)
+    assert espeak.choose_engine() is None                    # the library, from the espeakng-loader package
+    library = espeak.load_library()
+    assert library.version.startswith("1.") and library.lib.espeak_ng_GetSampleRate() == espeak.ESPEAK_RATE == 22050
+    short = espeak.synthesize("ONE TWO", "en-us", 175, 50)
+    long = espeak.synthesize("ONE TWO THREE FOUR FIVE SIX SEVEN", "en-us", 175, 50)
+    fast = espeak.synthesize("ONE TWO THREE FOUR FIVE SIX SEVEN", "en-us", 350, 50)
+    for x in (short, long, fast):
+        assert x.dtype == np.float32 and 0.05 < np.abs(x).max() <= 1 and loud_to_quiet(x) > 100
+    # 22.05 kHz: about 2.5 words a second at 175 wpm (espeak's rate counts pauses too); length follows the
+    # text, and the rate shortens it
+    assert 0.5 * 22050 < len(short) < 1.5 * 22050 and 2 * 22050 < len(long) < 4.5 * 22050
+    assert 2.5 < len(long) / len(short) < 5 and 1.5 < len(long) / len(fast) < 2.5
+    # a pure function: the same samples after other voices have spoken (the library is reloaded per utterance)
+    espeak.synthesize("PUT THE RED BOX ON THE LEFT", "en+f2", 130, 70)
+    np.testing.assert_array_equal(espeak.synthesize("ONE TWO", "en-us", 175, 50), short)
+    # every voice of the corpus exists in the packaged data and sounds different (a variant the library
+    # silently ignored would repeat its base voice: 1.1.0's "en-gb+m7" was "en-gb")
+    clips = {v: espeak.synthesize("PUT THE RED BOX ON THE LEFT", v, 175, 50) for v in espeak.VOICES}
+    assert len({x.tobytes() for x in clips.values()}) == len(espeak.VOICES) == 14
+    with pytest.raises(ValueError, match="no voice 'xx-nope'"):
+        espeak.synthesize("ONE", "xx-nope", 175, 50)
+    ex = espeak.utterance(0, "validation", 1)
+    assert ex["speech"].dtype == np.int16 and len(ex["speech"]) > 0.3 * 16000
+
+
+def test_espeak_library_and_program_give_speech_of_the_same_duration():
+    from favor.data import espeak
+    program = shutil.which("espeak-ng")
+    for index in range(6):
+        d = espeak.draw(0, "train", index)
+        voice = espeak.VOICES[d.speaker]
+        lib = espeak.synthesize(d.text, voice, d.rate, d.pitch, binary=None)
+        words = len(d.text.split())
+        # espeak-ng's rate is words a minute: the clip lasts about words / rate minutes, plus the end pause
+        assert 0.5 < (len(lib) / 22050) / (60 * words / d.rate + 0.4) < 2.0, (d, len(lib))
+        assert loud_to_quiet(lib) > 100
+        if program is not None:      # the fallback (a different espeak-ng release) agrees within a few %
+            prog = espeak.synthesize(d.text, voice, d.rate, d.pitch, binary=program)
+            assert abs(len(lib) - len(prog)) < 0.05 * len(prog), (d, len(lib), len(prog))
+
+
+def test_espeak_without_its_library_names_the_pip_command_or_falls_back_to_the_program(monkeypatch):
+    from favor.data import espeak
+    monkeypatch.setattr(espeak, "_library", None)
+    monkeypatch.setattr(espeak, "_library_error", None)
+    monkeypatch.setitem(sys.modules, "espeakng_loader", None)      # `import espeakng_loader` fails
+    monkeypatch.setattr(espeak.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"espeakng-loader.*`pip install espeakng-loader`"):
+        espeak.choose_engine()
+    with pytest.raises(RuntimeError, match=r"`pip install espeakng-loader`"):
+        espeak.synthesize("ONE", "en-us", 175, 50)
+    monkeypatch.setattr(espeak.shutil, "which", lambda name: "/opt/bin/espeak-ng" if name == "espeak-ng" else None)
+    assert espeak.choose_engine() == "/opt/bin/espeak-ng"
 
 
 def test_espeak_corpus_has_real_16khz_speech_with_transcripts(tiny_corpus):
@@ -228,9 +306,9 @@ def test_speech_source_on_the_espeak_corpus_gives_alignable_batches(tiny_corpus)
     batch = next(src.train_batches(4, 0, 0))
     assert batch["features"].shape[:2] == (4, 400)
     assert batch["features"].shape[2] == 80 and batch["features"].dtype == np.float32
-    assert batch["labels"].shape[1] == int(speech.conformer.subsampled_length(batch["features"].shape[1]))
+    assert batch["labels"].shape[1] == int(speech.subsampled_length(batch["features"].shape[1]))
     assert np.all(batch["valid"]) and np.all(batch["label_lengths"] > 0)
-    frames = np.asarray(speech.conformer.subsampled_length(batch["feature_lengths"]))
+    frames = np.asarray(speech.subsampled_length(batch["feature_lengths"]))
     assert np.all(ctc.alignable(batch["labels"], batch["label_lengths"], frames))
     again = next(src.train_batches(4, 0, 0))          # SpecAugment from the per-example rngs: reproducible
     np.testing.assert_array_equal(batch["features"], again["features"])
@@ -263,7 +341,7 @@ def test_speech_source_on_the_espeak_corpus_gives_alignable_batches(tiny_corpus)
 
 
 # -- errors --------------------------------------------------------------------------------------------
-def test_missing_or_unprepared_data_says_what_to_do(tmp_path, monkeypatch):
+def test_missing_or_unprepared_data_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"librispeech .*not prepared.*tfds build librispeech"):
         data.get({"name": "speech", "data_dir": str(tmp_path)})
     with pytest.raises(FileNotFoundError, match=r"data_dir .*nowhere does not exist"):
@@ -272,7 +350,3 @@ def test_missing_or_unprepared_data_says_what_to_do(tmp_path, monkeypatch):
         data.get({"name": "speech", "dataset": "timit"})
     with pytest.raises(ValueError, match=r"got unknown option\(s\) 'max_length'"):
         data.get({"name": "speech", "max_length": 3})
-    from favor.data import espeak
-    monkeypatch.setattr(espeak.shutil, "which", lambda name: None)
-    with pytest.raises(RuntimeError, match=r"apt-get install espeak-ng"):
-        espeak.espeak_binary()

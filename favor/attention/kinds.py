@@ -2,10 +2,16 @@
 
 Every kind is called the same way:
 
-    out = attn(q, k, v, mask=None, causal=False, rng=None)   # q [B, Lq, H, D], k/v [B, Lk, H, D(v)]
+    out = attn(q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None, stats=None)
+    # q [B, Lq, H, D], k/v [B, Lk, H, D(v)] -> [B, Lq, H, Dv]
 
-`mask` is a key-padding mask [B, Lk] (True = real token); padded keys are removed from numerator and
-denominator and from every statistic (stabilisers, data-dependent fits).
+`mask` is a key-padding mask [B, Lk] (True = real token): padded keys are removed from numerator and
+denominator and from every statistic (stabilisers, data-dependent fits). `query_mask` [B, Lq] marks
+the real queries, which the data-dependent fits use (in self-attention pass the same mask as both;
+nothing guesses it from the shapes). With `causal=True` the queries are aligned to the last keys
+(query i sees keys ≤ i + Lk − Lq) and every output depends on its past only, fitted parameters
+included: data-dependent kinds then need `stats`, statistics that do not come from the sequence being
+attended (running statistics a model keeps, or `attn.statistics(...)` of a prefix or of other data).
 """
 
 from __future__ import annotations
@@ -17,13 +23,13 @@ import jax
 import jax.numpy as jnp
 
 from favor import kernels
-from favor.attention import linear
+from favor.attention import linear, schedule
 from favor.kernels.base import pytree_dataclass
 
-REDRAW_HELP = "'step' (fresh ω from rng each call), 'every:N' (fresh ω every N steps) or 'fixed'"
+REDRAW_HELP = schedule.HELP
 
 
-def check_qkv(q, k, v, mask):
+def check_qkv(q, k, v, mask, query_mask=None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects q [B, Lq, H, D], k and v [B, Lk, H, D(v)]; "
                          f"got shapes {q.shape}, {k.shape}, {v.shape}")
@@ -34,6 +40,15 @@ def check_qkv(q, k, v, mask):
     if mask is not None and tuple(jnp.shape(mask)) != (k.shape[0], k.shape[1]):
         raise ValueError(f"mask is a key-padding mask [B, Lk] = {(k.shape[0], k.shape[1])}; "
                          f"got shape {jnp.shape(mask)}")
+    if query_mask is not None and tuple(jnp.shape(query_mask)) != (q.shape[0], q.shape[1]):
+        raise ValueError(f"query_mask marks the real queries, [B, Lq] = {(q.shape[0], q.shape[1])}; "
+                         f"got shape {jnp.shape(query_mask)}")
+
+
+def check_causal_lengths(q, k):
+    if q.shape[1] > k.shape[1]:
+        raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
+                         f"got Lq = {q.shape[1]}, Lk = {k.shape[1]}")
 
 
 def _to_bhld(a):
@@ -45,6 +60,7 @@ class Attention:
 
     name = ""
     OPTIONS: dict[str, Any] = {}
+    data_dependent = False      # True: the feature map is fitted to the data (see `stats`)
 
     def __init__(self, **options):
         self.options = options
@@ -58,10 +74,12 @@ class Softmax(Attention):
 
     name = "softmax"
 
-    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None):
-        check_qkv(q, k, v, mask)
+    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
+                 stats=None):
+        check_qkv(q, k, v, mask, query_mask)
         m = None if mask is None else jnp.asarray(mask, bool)[:, None, None, :]
         if causal:
+            check_causal_lengths(q, k)
             lq, lk = q.shape[1], k.shape[1]
             tri = jnp.tril(jnp.ones((lq, lk), bool), k=lk - lq)[None, None]
             m = tri if m is None else m & tri
@@ -73,51 +91,110 @@ class Softmax(Attention):
         out = jax.nn.dot_product_attention(pad(q, width), pad(k, width), pad(v, width), mask=m,
                                            scale=d ** -0.5)[..., :dv]
         if mask is not None:   # a query with no valid key attends to nothing: 0, not NaN
-            out = jnp.where(jnp.any(mask, -1)[:, None, None, None], out, 0.0)
+            seen = jnp.asarray(mask, bool)
+            if causal:
+                seen = jnp.cumsum(seen, axis=1)[:, k.shape[1] - q.shape[1]:] > 0
+                out = jnp.where(seen[:, :, None, None], out, 0.0)
+            else:
+                out = jnp.where(jnp.any(seen, -1)[:, None, None, None], out, 0.0)
         return out
 
 
 class FeatureAttention(Attention, abc.ABC):
-    """Linear attention over a feature map; subclasses give the features."""
+    """Linear attention over a feature map given in log space; subclasses give the map.
+
+    Options: chunk_size (the causal pass's chunk) and causal_path ("auto", "fast", "exact": see
+    favor.attention.linear.causal; "auto" is exact for any input)."""
 
     positive = True
-    OPTIONS = {"chunk_size": 128}
+    OPTIONS = {"chunk_size": 128, "causal_path": "auto"}
+    # The fast causal path's guarantee needs every key log-feature finite (each feature's reference is
+    # then reached by a real key); maps with exact zero features run "auto" as "exact".
+    finite_features = True
 
     def __init__(self, **options):
         super().__init__(**options)
         self.chunk_size = options.get("chunk_size", 128)
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:
             raise ValueError(f"{self.name}: chunk_size must be a positive integer; got {self.chunk_size!r}")
+        self.causal_path = options.get("causal_path", "auto")
+        if self.causal_path not in linear.PATHS:
+            raise ValueError(f"{self.name}: unknown causal_path {self.causal_path!r}; "
+                             f"valid: {', '.join(linear.PATHS)}")
+
+    def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None, stats=None,
+                causal=False):
+        """What one call fixes besides the inputs (fitted parameters and the draw); None here."""
+        return None
 
     @abc.abstractmethod
-    def features(self, q, k, mask, rng, step, draw=None):
-        """(fq [B,H,Lq,F], fk [B,H,Lk,F]) with padded keys zeroed."""
+    def log_maps(self, q, k, ctx):
+        """((log|φ_q| [B,H,Lq,F], sign or None), (log|φ_k| [B,H,Lk,F], sign or None)), float32, finite."""
 
-    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None):
+    @abc.abstractmethod
+    def feature_dim(self, dim: int) -> int:
+        """F for head dim `dim`."""
+
+    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
+                 stats=None):
         """`draw`: a stored `base_draw` (random-feature kinds) used instead of drawing from rng."""
-        check_qkv(q, k, v, mask)
-        fq, fk = self.features(q, k, mask, rng, step, draw)
+        check_qkv(q, k, v, mask, query_mask)
+        if causal:
+            check_causal_lengths(q, k)
+        ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
+        (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)
         vv = _to_bhld(v)
         if causal:
-            out = linear.causal(fq, fk, vv, self.positive, self.chunk_size)
+            path = self.causal_path
+            if path == "auto" and not self.finite_features:
+                path = "exact"
+            out = linear.causal(lq, sq, lk, sk, vv, mask, self.positive, self.chunk_size, path)
         else:
-            out = linear.bidirectional(fq, fk, vv, self.positive)
+            out = linear.bidirectional(lq, sq, lk, sk, vv, mask, self.positive)
         return _to_bhld(out).astype(v.dtype)
+
+    # -- incremental decoding ----------------------------------------------------------------------
+    def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
+        """The context decoding uses (the same for every token)."""
+        return None
+
+    def decode_init(self, batch, heads, dim, dv):
+        return linear.decode_init(batch, heads, self.feature_dim(dim), dv)
+
+    def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
+        """One token: q_t, k_t [B, 1, H, D], v_t [B, 1, H, Dv], valid [B] or None ->
+        (out [B, 1, H, Dv], state); equal to the causal pass token by token."""
+        (lq, sq), (lk, sk) = self.log_maps(q_t, k_t, ctx)
+        first = lambda a: None if a is None else a[:, :, 0]
+        out, state = linear.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk),
+                                        _to_bhld(v_t)[:, :, 0], valid, self.positive)
+        return out[:, None].astype(v_t.dtype), state
 
 
 class ElementwiseAttention(FeatureAttention):
-    """Linear attention with a fixed elementwise feature map φ, the same for queries and keys."""
+    """Linear attention with a fixed elementwise feature map φ ≥ 0, the same for queries and keys."""
+
+    # ReLU's exact zeros (and ELU's underflow below −87) are −inf log-features: no feature reference
+    # for the fast causal path is then guaranteed to be reached by a key (a query whose strongest
+    # feature no key carries would lose every term to underflow), so "auto" runs the exact path
+    finite_features = False
 
     @staticmethod
     @abc.abstractmethod
     def phi(u):
         """The feature map, elementwise."""
 
-    def features(self, q, k, mask, rng, step, draw=None):
-        fq, fk = self.phi(_to_bhld(q)), self.phi(_to_bhld(k))
-        if mask is not None:
-            fk = fk * jnp.asarray(mask, fk.dtype)[:, None, :, None]
-        return fq, fk
+    def feature_dim(self, dim):
+        return dim
+
+    def log_maps(self, q, k, ctx):
+        # Exact zeros (ReLU's) stay −inf: a query with no positive feature attends to nothing and
+        # outputs 0, as 0/0 of the exact map would be read; a zero feature carries no key mass.
+        # Double where: no inf reaches the backward pass.
+        def log(u):
+            f = self.phi(_to_bhld(u).astype(jnp.float32))
+            return jnp.where(f > 0, jnp.log(jnp.where(f > 0, f, 1.0)), -jnp.inf)
+        return (log(q), None), (log(k), None)
 
 
 class ReluAttention(ElementwiseAttention):
@@ -142,29 +219,23 @@ class RandomFeatureContext:
 
 
 def parse_redraw(redraw):
-    if redraw in ("step", "fixed"):
-        return redraw, 0
-    if isinstance(redraw, str) and redraw.startswith("every:"):
-        try:
-            n = int(redraw.split(":", 1)[1])
-        except ValueError:
-            n = 0
-        if n >= 1:
-            return "every", n
-    raise ValueError(f"unknown redraw {redraw!r}; valid: {REDRAW_HELP}")
+    """(kind, every) of a redraw string; kept for callers of the old helper (favor.attention.schedule)."""
+    sched = schedule.parse(redraw)
+    return sched.kind, (sched.every if sched.kind == "every" else 0)
 
 
 class RandomFeatureAttention(FeatureAttention):
     """Linear attention over a kernel mechanism's random features (FAVOR, FAVOR+, ++, #, HRF, SimRF).
 
-    Queries and keys are scaled by D^(−1/4) so that x_iᵀy_j = q_iᵀk_j/√D; one ω serves both. The
-    mechanism is fitted per batch and head in float32 from valid tokens only (under stop_gradient
-    unless fit_gradients=True). Stabilisers, both under stop_gradient: a per-query constant over
-    features, and one constant over all valid keys per batch and head; each cancels in the ratio.
+    Queries and keys are scaled by D^(−1/4) so that x_iᵀy_j = q_iᵀk_j/√D; one ω serves both.
+    Data-dependent mechanisms are fitted per batch and head in float32 from the valid tokens
+    (`mask`, `query_mask`; under stop_gradient unless fit_gradients=True), or from `stats` when given
+    — always from `stats` in causal mode, where a fit on the sequence would read the future.
+    `stats_momentum` is the running-average momentum of the statistics a causal model keeps.
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
-               "fit_gradients": False, "chunk_size": 128}
+               "fit_gradients": False, "chunk_size": 128, "causal_path": "auto", "stats_momentum": 0.99}
     mechanism = ""
     mechanism_options: dict[str, Any] = {}
 
@@ -174,21 +245,30 @@ class RandomFeatureAttention(FeatureAttention):
         if self.num_features < 1:
             raise ValueError(f"{self.name}: num_features must be ≥ 1; got {options['num_features']!r}")
         self.coupling = kernels.couplings.check_coupling(options["coupling"])
-        self.redraw, self.redraw_every = parse_redraw(options["redraw"])
+        self.schedule = schedule.parse(options["redraw"])
+        self.redraw, self.redraw_every = parse_redraw(self.schedule)
         self.seed = int(options["seed"])
         self.fit_gradients = bool(options["fit_gradients"])
+        self.stats_momentum = float(options.get("stats_momentum", 0.99))
+        if not 0.0 <= self.stats_momentum < 1.0:
+            raise ValueError(f"{self.name}: stats_momentum must be in [0, 1); got {self.stats_momentum!r}")
         self.mech = kernels.get(self.mechanism, **self.mechanism_options)
         self.positive = self.mech.positive
+        self.data_dependent = self.mech.data_dependent
+
+    def feature_dim(self, dim):
+        return self.mech.feature_dim(self.num_features)
 
     # -- what a call fixes -------------------------------------------------------------------------
     def draw_key(self, rng, step):
-        """The key ω is drawn from: evaluation (rng None) and 'fixed' use the seed, deterministic."""
-        if self.redraw == "fixed" or rng is None:
+        """The key ω is drawn from: evaluation (rng None) and 'fixed' use the seed, deterministic;
+        'step' uses rng; 'every:N' folds rng with the window of `step`."""
+        if not self.schedule.redraws or rng is None:
             return jax.random.PRNGKey(self.seed)
-        if self.redraw == "every":
+        if self.schedule.needs_step:
             if step is None:
-                raise ValueError(f"{self.name}: redraw='every:{self.redraw_every}' needs the step number")
-            return jax.random.fold_in(rng, jnp.asarray(step) // self.redraw_every)
+                raise ValueError(f"{self.name}: redraw='{self.schedule}' needs the step number")
+            return self.schedule.key(rng, step)
         return rng
 
     def scaled(self, q, k):
@@ -199,75 +279,57 @@ class RandomFeatureAttention(FeatureAttention):
         """The data-independent draw for head dim `dim` that a model keeps as state."""
         return self.mech.draw_base(key, self.num_features, dim, self.coupling)
 
-    def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None) -> RandomFeatureContext:
-        """Fit the mechanism on the valid tokens and draw ω (or adapt the stored `draw`)."""
+    def statistics(self, q, k, mask=None, query_mask=None, init=None):
+        """The fit's sufficient statistics pooled over the batch, per head ([H, ...]): what a causal
+        model keeps as running statistics, or what a caller fits on a prefix. Never differentiated."""
+        x, y = jax.lax.stop_gradient(self.scaled(q, k))
+        pool = lambda u: jnp.moveaxis(u, 0, 1).reshape(u.shape[1], -1, u.shape[-1])      # [H, B·L, d]
+        heads = x.shape[1]
+        pool_mask = lambda m, u: None if m is None else jnp.broadcast_to(
+            jnp.asarray(m, bool)[None], (heads, *jnp.shape(m))).reshape(heads, -1)
+        return self.mech.statistics(pool(x), pool(y), pool_mask(query_mask, x), pool_mask(mask, y), init=init)
+
+    def update_statistics(self, running, q, k, mask=None, query_mask=None):
+        """`running` averaged with this batch's statistics (momentum `stats_momentum`)."""
+        new = self.statistics(q, k, mask, query_mask, init=running)
+        return kernels.base.average_statistics(running, new, self.stats_momentum)
+
+    def _params(self, x, y, mask, query_mask, stats, causal):
+        if stats is not None and self.data_dependent:
+            batched = jax.tree.map(lambda a: a[None], stats) if stats.count.ndim == 1 else stats
+            return self.mech.fit_statistics(batched)
+        if self.data_dependent and causal:
+            raise ValueError(
+                f"{self.name} ({self.mech.name}) fits its feature map to the data; in causal mode a fit "
+                "on the sequence would read the future. Pass stats= (running statistics, as the model "
+                "zoo's causal layers keep; or attn.statistics(q, k) of a prefix or of other data)")
+        per_head = lambda m, u: None if m is None else jnp.broadcast_to(
+            jnp.asarray(m, bool)[:, None, :], u.shape[:-1])
+        return self.mech.fit(x, y, per_head(query_mask, x), per_head(mask, y))
+
+    def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None, stats=None,
+                causal=False) -> RandomFeatureContext:
+        """Fit the mechanism (valid tokens, or `stats`) and draw ω (or adapt the stored `draw`)."""
         x, y = self.scaled(q, k)
         if not self.fit_gradients:
             x, y = jax.lax.stop_gradient(x), jax.lax.stop_gradient(y)
-        per_head = lambda m, u: None if m is None else jnp.broadcast_to(
-            jnp.asarray(m, bool)[:, None, :], u.shape[:-1])
-        params = self.mech.fit(x, y, per_head(query_mask, x), per_head(mask, y))
+        params = self._params(x, y, mask, query_mask, stats, causal)
+        return RandomFeatureContext(params=params, draw=self._draw(params, rng, step, draw))
+
+    def _draw(self, params, rng, step, draw):
         if draw is None:
-            w = self.mech.draw(self.draw_key(rng, step), self.num_features, params, self.coupling)
-        else:
-            w = self.mech.adapt_draw(draw, params)
-        return RandomFeatureContext(params=params, draw=w)
+            return self.mech.draw(self.draw_key(rng, step), self.num_features, params, self.coupling)
+        return self.mech.adapt_draw(draw, params)
 
-    # -- features ----------------------------------------------------------------------------------
-    def stabilised_features(self, q, k, mask, ctx):
+    def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
+        zeros = jnp.zeros((1, 1, 1, dim), jnp.float32)
+        params = self._params(zeros, zeros, None, None, stats, causal=True)
+        return RandomFeatureContext(params=params, draw=self._draw(params, rng, step, draw))
+
+    def log_maps(self, q, k, ctx):
         x, y = self.scaled(q, k)
-        lq, sq = self.mech.query_log_features(x, ctx.draw, ctx.params)
-        lk, sk = self.mech.key_log_features(y, ctx.draw, ctx.params)
-        cq = jax.lax.stop_gradient(jnp.max(lq, axis=-1, keepdims=True))
-        valid = None if mask is None else jnp.asarray(mask, bool)[:, None, :, None]
-        lk_for_max = lk if valid is None else jnp.where(valid, lk, -jnp.inf)
-        ck = jnp.max(lk_for_max, axis=(-2, -1), keepdims=True)
-        ck = jax.lax.stop_gradient(jnp.where(jnp.isfinite(ck), ck, 0.0))
-        fq, fk = jnp.exp(lq - cq), jnp.exp(lk - ck)
-        if sq is not None:
-            fq, fk = fq * sq, fk * sk
-        if valid is not None:
-            fk = jnp.where(valid, fk, 0.0)
-        return fq, fk
-
-    def features(self, q, k, mask, rng, step, draw=None):
-        ctx = self.context(q, k, mask, rng, step, self._query_mask(q, k, mask), draw)
-        return self.stabilised_features(q, k, mask, ctx)
-
-    @staticmethod
-    def _query_mask(q, k, mask):
-        # Self-attention (Lq == Lk): padded positions are padded queries too, keep them out of the fit.
-        return mask if mask is not None and q.shape[1] == k.shape[1] else None
-
-    # -- incremental decoding ----------------------------------------------------------------------
-    def decode_init(self, batch, heads, dv):
-        f = self.mech.feature_dim(self.num_features)
-        z = jnp.zeros
-        return {"s": z((batch, heads, f, dv), jnp.float32), "z": z((batch, heads, f), jnp.float32),
-                "c": jnp.full((batch, heads), -jnp.inf, jnp.float32)}
-
-    def decode_step(self, state, q_t, k_t, v_t, ctx):
-        """One token: q_t, k_t [B, 1, H, D], v_t [B, 1, H, Dv] -> (out [B, 1, H, Dv], state).
-
-        The key stabiliser is a running maximum; the state is rescaled when it grows, so the outputs
-        equal the full causal pass (whose stabiliser is global) to float tolerance.
-        """
-        x, y = self.scaled(q_t, k_t)
-        lq, sq = self.mech.query_log_features(x, ctx.draw, ctx.params)      # [B,H,1,F]
-        lk, sk = self.mech.key_log_features(y, ctx.draw, ctx.params)
-        c_new = jnp.maximum(state["c"], jnp.max(lk, axis=(-2, -1)))
-        shrink = jnp.where(jnp.isfinite(state["c"]), jnp.exp(state["c"] - c_new), 0.0)
-        fk = jnp.exp(lk - c_new[..., None, None])[:, :, 0]
-        fq = jnp.exp(lq - jnp.max(lq, -1, keepdims=True))[:, :, 0]
-        if sq is not None:
-            fq, fk = fq * sq[:, :, 0], fk * sk[:, :, 0]
-        v = _to_bhld(v_t)[:, :, 0].astype(jnp.float32)
-        s = state["s"] * shrink[..., None, None] + fk[..., :, None] * v[..., None, :]
-        z = state["z"] * shrink[..., None] + fk
-        num = jnp.einsum("bhf,bhfd->bhd", fq, s)
-        den = jnp.einsum("bhf,bhf->bh", fq, z)
-        out = num / linear.guard(den, self.positive)[..., None]
-        return out[:, None].astype(v_t.dtype), {"s": s, "z": z, "c": c_new}
+        return (self.mech.query_log_features(x, ctx.draw, ctx.params),
+                self.mech.key_log_features(y, ctx.draw, ctx.params))
 
 
 def _rf_kind(kind_name, mechanism, doc, extra_options=None, mech_options=None):
@@ -319,11 +381,17 @@ def _hrf_mechanism(o):
 Hrf = _rf_kind(
     "hrf", "hrf-angular", "Hybrid random features (not positive; the denominator's sign is guarded).",
     {"lambda_": "angular", "num_features": 16, "num_lambda_features": 8, "clusters": 2}, _hrf_mechanism)
+def _simrf_mechanism(o):
+    # SimRF is its coupling: with any other it is FAVOR+ (or FAVOR++), and an ablation listing simrf
+    # would compare a kind with itself. Refuse rather than run another kind under this name.
+    _choice("simrf", "coupling", o["coupling"], ("simplex", "simplex+"))
+    return {"positive": "positive", "oprf": "oprf"}[_choice("simrf", "features", o["features"],
+                                                            ("positive", "oprf"))], {}
+
+
 SimRF = _rf_kind(
-    "simrf", "positive", "SimRF: positive or OPRF features on simplex-coupled projections.",
-    {"features": "positive", "coupling": "simplex"},
-    lambda o: ({"positive": "positive", "oprf": "oprf"}[_choice("simrf", "features", o["features"],
-                                                                ("positive", "oprf"))], {}))
+    "simrf", "positive", "SimRF: positive or OPRF features on simplex-coupled projections (simplex or simplex+).",
+    {"features": "positive", "coupling": "simplex"}, _simrf_mechanism)
 
 KINDS = (Softmax, ReluAttention, EluAttention, Favor, FavorPlus, FavorPlusPlus, FavorSharp, Hrf, SimRF)
 

@@ -1,78 +1,323 @@
-"""Linear attention over feature maps: the O(L) cores every random-feature kind shares.
+"""Linear attention over log-space features: the O(L) cores every feature kind shares.
 
-Shapes: features fq [B, H, Lq, F], fk [B, H, Lk, F] (already stabilised, exponentiated and with
-padded keys zeroed), values v [B, H, Lk, Dv]. Sequence reductions and the carried prefix state
-accumulate in float32 whatever the input dtype.
+Inputs are log-features and signs, never exponentiated features: lq [B, H, Lq, F] = log|φ_q|,
+lk [B, H, Lk, F] = log|φ_k|, sq / sk their signs (None for positive features), values
+v [B, H, Lk, Dv], and `valid` [B, Lk] (True = a real key) or None. A log-feature may be −inf (an
+exact zero feature, ReLU's); a key whose every log-feature is −inf carries no mass and counts as no
+key. Padded keys are set to −inf here, before anything is exponentiated, so a padded key can change
+neither an output nor a gradient.
 
-    Y = diag(Φ_q (Φ_kᵀ 1))⁻¹ Φ_q (Φ_kᵀ V)                     (bidirectional)
-    Y_i = φ_q(i)ᵀ Σ_{j≤i} φ_k(j) v_jᵀ / φ_q(i)ᵀ Σ_{j≤i} φ_k(j)   (causal)
+    Y = diag(Φ_q (Φ_kᵀ 1))⁻¹ Φ_q (Φ_kᵀ V)                      (bidirectional)
+    Y_i = φ_q(i)ᵀ Σ_{j≤i} φ_k(j) v_jᵀ / φ_q(i)ᵀ Σ_{j≤i} φ_k(j)    (causal)
+
+Stabilisers. φ = exp(l) can over- or underflow float32 long before the ratio does, so both sides are
+shifted before exponentiating, by constants that cancel in the ratio, all under stop_gradient:
+- keys by a per-feature constant τ_f (the inverse shift goes to the queries, so φ_qᵀφ_k is unchanged);
+- each query by a scalar c_i chosen *knowing the keys*: c_i = max_f(l_q(i, f) + τ_f). With τ_f the
+  maximum of l_k(·, f) over the keys the query sees, every shifted factor is ≤ 1 and the shifted
+  denominator of a positive kind is ≥ 1 (the term at the maximising feature and key is 1), so no
+  relevant term underflows and no floor is needed (a query whose own strongest features do not line
+  up with the strongest key is exactly where a per-side maximum fails).
+Causal mode keeps every stabiliser causal: the output at position i is computed from keys ≤ i only,
+stabilisers included (see `causal`). Sequence sums and carried states accumulate in float32.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
-DEN_EPS = 1e-6   # denominators are O(1) or larger after stabilisation; this only guards 0 and sign
+F32 = jnp.float32
+TINY = float(jnp.finfo(jnp.float32).tiny)
+NEG_INF = -jnp.inf
+# The fast causal path is exact while no key exceeds its chunk's reference by more than this (in
+# log units); see `_causal_fast`. Lost terms are then below e^(−87 + 40 + log(L·F)) of the
+# denominator, under float32's resolution for L·F < e^30.
+FAST_EXCEEDANCE = 40.0
+EXACT_BLOCK = 16          # block of the exact causal path, whose diagonal blocks are formed in log space
+PATHS = ("auto", "fast", "exact")
+
+sg = jax.lax.stop_gradient
 
 
 def guard(den, positive):
-    """Keep a denominator away from zero. Positive features: den ≥ 0 and 0 only for an all-padding
-    row; sign-indefinite features (trig, HRF): keep the sign, floor the magnitude."""
+    """Denominators: an exact 0 (no valid key, or no feature mass) becomes 1, so the row outputs 0
+    with finite gradients; otherwise positive kinds need nothing (stabilised den ≥ 1) and
+    sign-indefinite kinds (trig, HRF) keep their sign with the magnitude floored at float32's tiny."""
+    den = jnp.where(den == 0, 1.0, den)
     if positive:
-        return jnp.maximum(den, DEN_EPS)
-    return jnp.where(den >= 0, jnp.maximum(den, DEN_EPS), jnp.minimum(den, -DEN_EPS))
+        return jnp.maximum(den, TINY)
+    return jnp.where(den >= 0, jnp.maximum(den, TINY), jnp.minimum(den, -TINY))
 
 
-def bidirectional(fq, fk, v, positive=True):
-    f32 = jnp.float32
-    # A column of ones appended to V makes Φ_kᵀ[V, 1] carry the normaliser Φ_kᵀ1 too: one pass over
-    # Φ_q gives numerator and denominator.
-    v1 = jnp.concatenate([v.astype(f32), jnp.ones((*v.shape[:-1], 1), f32)], -1)
-    # [V,1]ᵀΦ_k rather than Φ_kᵀ[V,1]: XLA:CPU then contracts L without first transposing the
-    # [L, F] feature array (6.3 ms against 10.6 ms at L = 8192, F = 256, four heads).
-    vk = jnp.einsum("bhld,bhlf->bhdf", v1, fk.astype(f32))
-    out = jnp.einsum("bhlf,bhdf->bhld", fq.astype(f32), vk)
+def _finite_or(a, value=0.0):
+    return jnp.where(jnp.isfinite(a), a, value)
+
+
+def _with_sign(f, s):
+    return f if s is None else f * s
+
+
+def _mask_keys(lk, valid):
+    if valid is None:
+        return lk
+    return jnp.where(jnp.asarray(valid, bool)[:, None, :, None], lk, NEG_INF)
+
+
+def _ones_column(v):
+    v = v.astype(F32)
+    return jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), F32)], -1)
+
+
+def _ratio(out, positive):
     return out[..., :-1] / guard(out[..., -1], positive)[..., None]
 
 
-def _exclusive_prefix_sum(a, axis):
-    """Σ_{m<n} a_m along `axis`, by a scan carrying one state. XLA:CPU lowers jnp.cumsum to a
-    reduce-window tree that cost 45 of 150 ms of the causal pass at L = 8192 (64 chunks of
-    [65, 256] states per head); the scan is one add per chunk, and linear in the chunk count."""
-    moved = jnp.moveaxis(a, axis, 0)
+# -- bidirectional ------------------------------------------------------------------------------------
+# jitted with their options static: an eager call (notebooks, tests) then compiles once per shape
+# instead of tracing its lax.cond and scan anew every time; inside a jitted model they inline.
+@partial(jax.jit, static_argnames=("positive",))
+def bidirectional(lq, sq, lk, sk, v, valid=None, positive=True):
+    """[B, H, Lq, Dv]: every query attends to every valid key."""
+    lk = _mask_keys(lk.astype(F32), valid)
+    tau = sg(jnp.max(lk, axis=-2, keepdims=True))                 # [B, H, 1, F]: per-feature key max
+    has = jnp.isfinite(tau)                                       # features some valid key carries
+    fk = _with_sign(jnp.exp(lk - _finite_or(tau)), sk)            # ≤ 1; padded keys exactly 0
+    lqt = jnp.where(has, lq.astype(F32) + tau, NEG_INF)          # query log-features on the key scale
+    c = _finite_or(sg(jnp.max(lqt, axis=-1, keepdims=True)))      # the key-aware query stabiliser
+    fq = _with_sign(jnp.exp(lqt - c), sq)                         # ≤ 1, = 1 at the maximising feature
+    # [V,1]ᵀΦ_k rather than Φ_kᵀ[V,1]: XLA:CPU then contracts L without transposing the [L, F] array;
+    # the ones column carries the normaliser through the same pass.
+    vk = jnp.einsum("bhld,bhlf->bhdf", _ones_column(v), fk)
+    out = jnp.einsum("bhlf,bhdf->bhld", fq, vk)
+    return _ratio(out, positive)
 
-    def step(total, x):
-        return total + x, total
 
-    _, out = jax.lax.scan(step, jnp.zeros_like(moved[0]), moved)
-    return jnp.moveaxis(out, 0, axis)
+# -- causal -------------------------------------------------------------------------------------------
+def causal(lq, sq, lk, sk, v, valid=None, positive=True, chunk_size=128, path="auto"):
+    """[B, H, Lq, Dv] with query i seeing keys ≤ i + (Lk − Lq) (queries aligned to the last keys, as in
+    decoding after a prefix). Every quantity the output at i is computed from — the fitted parameters
+    are the caller's business — depends on keys ≤ i only.
 
-
-def causal(fq, fk, v, positive=True, chunk_size=128):
-    """Chunked causal linear attention: exact masked block inside each chunk, prefix state between.
-
-    The per-chunk states Φ_k,cᵀ[V_c, 1] are summed into exclusive prefixes with one cumsum, so every
-    step is a batched matmul (no sequential scan, and a backward pass without per-step residuals).
-    Memory O(L·(F + Dv)) for features and values plus the prefix states, (L/C)·F·(Dv+1) per batch and
-    head, which is O(L·F) for C ≥ Dv; never the O(L·F·Dv) of per-token prefix sums.
+    Two algorithms with the same result: "fast" (chunks of `chunk_size`, one matmul per chunk) is exact
+    while no key exceeds its chunk's causal reference by more than FAST_EXCEEDANCE; "exact" forms the
+    diagonal blocks of EXACT_BLOCK tokens in log space and is exact for any input, at several times the
+    cost. "auto" takes the fast one unless some valid key exceeds the bound (one `lax.cond` per call).
+    The fast path's guarantee assumes every valid key's log-features are finite (true of every
+    random-feature map; ReLU's zeros are not: its kind runs "auto" as "exact"). Forced "fast" outside
+    the guarantee can be wrong, gradients included: it is for benchmarks and tests. "auto" decides on
+    the whole input, so a future token can switch the path and move past outputs at rounding level
+    (each path alone is causal bit for bit).
     """
-    b, h, l, f = fq.shape
-    dv = v.shape[-1]
-    c = min(chunk_size, l)
+    if path not in PATHS:
+        raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
+    if lq.shape[2] > lk.shape[2]:
+        raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
+                         f"got Lq = {lq.shape[2]}, Lk = {lk.shape[2]}")
+    return _causal(lq, sq, lk, sk, v, valid, positive, chunk_size, path)
+
+
+@partial(jax.jit, static_argnames=("positive", "chunk_size", "path"))
+def _causal(lq, sq, lk, sk, v, valid, positive, chunk_size, path):
+    """The jitted body of `causal`."""
+    lq, lk = lq.astype(F32), _mask_keys(lk.astype(F32), valid)
+    b, h, l_q, f = lq.shape
+    l_k = lk.shape[2]
+    if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
+        front = ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))
+        lq = jnp.pad(lq, front)
+        sq = None if sq is None else jnp.pad(sq, front, constant_values=1.0)
+    v1 = _ones_column(v)
+    anchor = _anchor(lk)
+
+    def fast(ops):
+        return _causal_fast(*ops, anchor, chunk_size)[0]
+
+    def exact(ops):
+        return _causal_exact(*ops, anchor, EXACT_BLOCK)
+
+    ops = (lq, sq, lk, sk, v1)
+    if path == "fast":
+        out = fast(ops)
+    elif path == "exact":
+        out = exact(ops)
+    else:
+        exceed = _causal_fast_exceedance(lk, anchor, chunk_size)
+        out = jax.lax.cond(exceed <= FAST_EXCEEDANCE, fast, exact, ops)
+    return _ratio(out[:, :, l_k - l_q:], positive)
+
+
+def _anchor(lk):
+    """The first valid key's log-features [B, H, F] (−inf where a row has no valid key). Every query
+    that sees any key sees this one, so it is a causal reference for the first chunk."""
+    valid = _has_mass(lk)                                         # [B, H, L]
+    first = jnp.argmax(valid, axis=-1)
+    a = jnp.take_along_axis(lk, first[..., None, None], axis=2)[:, :, 0]
+    return jnp.where(jnp.any(valid, -1)[..., None], a, NEG_INF)
+
+
+def _has_mass(lk):
+    """[..., L]: keys with some finite log-feature (valid, and not all-zero features)."""
+    return jnp.isfinite(jnp.max(lk, axis=-1))
+
+
+def _chunks(a, c):
+    """[B, H, L, X] -> [B, H, N, c, X], zero-padded at the end (padded rows are dropped later)."""
+    b, h, l, x = a.shape
     pad = (-l) % c
-    f32 = jnp.float32
-    v1 = jnp.concatenate([v.astype(f32), jnp.ones((*v.shape[:-1], 1), f32)], -1)
     if pad:
-        widths = ((0, 0), (0, 0), (0, pad), (0, 0))
-        fq, fk, v1 = jnp.pad(fq, widths), jnp.pad(fk, widths), jnp.pad(v1, widths)
-    n = (l + pad) // c
-    chunks = lambda a: a.reshape(b, h, n, c, a.shape[-1]).astype(f32)
-    q_c, k_c, v_c = chunks(fq), chunks(fk), chunks(v1)
-    vk = jnp.einsum("bhncd,bhncf->bhndf", v_c, k_c)     # [V,1]ᵀΦ_k per chunk (see bidirectional)
-    prefix = _exclusive_prefix_sum(vk, axis=2)
-    scores = jnp.einsum("bhnif,bhnjf->bhnij", q_c, k_c)
-    scores = jnp.where(jnp.tril(jnp.ones((c, c), bool)), scores, 0.0)
-    out = jnp.einsum("bhnif,bhndf->bhnid", q_c, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v_c)
-    out = out.reshape(b, h, n * c, dv + 1)[:, :, :l]
-    return out[..., :dv] / guard(out[..., dv], positive)[..., None]
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    return a.reshape(b, h, (l + pad) // c, c, x)
+
+
+def _key_chunks(lk, c):
+    """Key log-features in chunks; the padding rows are −inf (no key)."""
+    b, h, l, f = lk.shape
+    pad = (-l) % c
+    if pad:
+        lk = jnp.pad(lk, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=NEG_INF)
+    return lk.reshape(b, h, (l + pad) // c, c, f)
+
+
+def _prefix_states(lk_c, sk_c, v1_c, anchor):
+    """Per chunk n, the exclusive prefix Σ_{j in chunks < n} φ_k(j)[v_j, 1] on the scale τ_n:
+
+    τ_n [B, H, N, F] = max(anchor, max of l_k over chunks < n) (−inf where nothing yet), and
+    P_n [B, H, N, F, Dv+1] = Σ exp(l_k(j) − τ_n)·sign·[v_j, 1] (every term ≤ 1).
+    One chunk state per chunk (a matmul), then a scan over chunks that rescales the running sum when
+    the maximum grows, as an online softmax does.
+    """
+    mu = jnp.max(lk_c, axis=3)                                    # [B, H, N, F] chunk maxima
+    fk = _with_sign(jnp.exp(lk_c - _finite_or(mu)[:, :, :, None]), sk_c)
+    states = jnp.einsum("bhncd,bhncf->bhnfd", v1_c, fk)            # [B, H, N, F, Dv+1] on scale μ_n
+
+    def step(carry, x):
+        tau, total = carry
+        mu_n, s_n = x
+        new = jnp.maximum(tau, mu_n)
+        keep = jnp.where(jnp.isfinite(tau), jnp.exp(tau - _finite_or(new)), 0.0)
+        add = jnp.where(jnp.isfinite(mu_n), jnp.exp(mu_n - _finite_or(new)), 0.0)
+        return (new, total * keep[..., None] + s_n * add[..., None]), (tau, total)
+
+    mu_t = sg(jnp.moveaxis(mu, 2, 0))
+    init = (sg(anchor), jnp.zeros_like(states[:, :, 0]))
+    _, (tau, prefix) = jax.lax.scan(step, init, (mu_t, jnp.moveaxis(states, 2, 0)))
+    return jnp.moveaxis(tau, 0, 2), jnp.moveaxis(prefix, 0, 2)
+
+
+def _fast_references(lk_c, anchor):
+    """τ_n = max(anchor, max over earlier chunks) for the fast path, [B, H, N, F]."""
+    mu = jnp.max(lk_c, axis=3)
+    earlier = jax.lax.cummax(mu, axis=2)
+    earlier = jnp.concatenate([jnp.full_like(mu[:, :, :1], NEG_INF), earlier[:, :, :-1]], axis=2)
+    return sg(jnp.maximum(earlier, anchor[:, :, None]))
+
+
+def _causal_fast_exceedance(lk, anchor, chunk_size):
+    c = min(chunk_size, lk.shape[2])
+    lk_c = _key_chunks(lk, c)
+    tau = _fast_references(lk_c, anchor)
+    a = jnp.max(lk_c - _finite_or(tau)[:, :, :, None], axis=-1)  # −inf for padded keys
+    return sg(jnp.max(a))
+
+
+def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
+    """Chunks of C tokens. Keys of chunk n are referenced to τ_n (causal: earlier chunks and the first
+    valid key) and normalised by a per-key scalar a_j = max_f(l_k(j, f) − τ_n,f); query i by
+    β_i = max_f(l_q(i, f) + τ_n,f). Then with α_i = max(0 if the first valid key is before the chunk,
+    max_{valid j ≤ i in the chunk} a_j) and c_i = β_i + α_i,
+
+        out_i ∝ e^(−α_i)·Q̂_i P_n + Σ_{j ≤ i in chunk} (Q̂_i·K̂_j)·e^(a_j − α_i)·[v_j, 1],
+
+    every factor ≤ 1, the denominator ≥ e^(−α_i), and each product Q̂K̂ at least its true value: exact
+    while every a_j ≤ FAST_EXCEEDANCE. Returns (out [B, H, L, Dv+1], max exceedance)."""
+    b, h, l, f = lq.shape
+    c = min(chunk_size, l)
+    lk_c, lq_c = _key_chunks(lk, c), _chunks(lq, c)
+    v1_c = _chunks(v1, c)
+    sq_c = None if sq is None else _chunks(sq, c)
+    sk_c = None if sk is None else _chunks(sk, c)
+    n = lk_c.shape[2]
+
+    tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor)      # on the scale τ_n (anchor included)
+    tau = _finite_or(tau_p)[:, :, :, None]                          # [B, H, N, 1, F]
+    a = sg(jnp.max(lk_c - tau, axis=-1))                            # [B, H, N, C], −inf: no key
+    fk = _with_sign(jnp.exp(lk_c - tau - _finite_or(a)[..., None]), sk_c)
+    beta = sg(_finite_or(jnp.max(lq_c + tau, axis=-1)))            # [B, H, N, C]
+    fq = _with_sign(jnp.exp(lq_c + tau - beta[..., None]), sq_c)
+
+    # α_i: is the anchor (first valid key) before this chunk? then the prefix holds mass at scale 0
+    pos = jnp.arange(n * c).reshape(n, c)
+    valid_c = _has_mass(lk_c)                                       # [B, H, N, C]
+    first = jnp.argmax(_has_mass(lk), axis=-1)                     # [B, H]
+    any_valid = jnp.any(_has_mass(lk), axis=-1)
+    before = any_valid[..., None] & (first[..., None] < pos[None, None, :, 0])   # [B, H, N]
+    alpha = jax.lax.cummax(jnp.where(valid_c, a, NEG_INF), axis=3)
+    alpha = jnp.maximum(alpha, jnp.where(before, 0.0, NEG_INF)[..., None])
+    alpha = sg(_finite_or(alpha))                                   # no key yet: the row is all zeros
+
+    # e^(a_j − α_i) ≤ 1 on the causal triangle; the log is masked before exp so that no inf·0 reaches
+    # the backward pass
+    tril = jnp.tril(jnp.ones((c, c), bool))
+    log_w = jnp.where(tril & valid_c[:, :, :, None, :], _finite_or(a)[:, :, :, None, :] - alpha[..., None],
+                      NEG_INF)
+    scores = jnp.einsum("bhnif,bhnjf->bhnij", fq, fk) * jnp.exp(log_w)
+    out = (jnp.exp(-alpha)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix)
+           + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c))
+    return out.reshape(b, h, n * c, -1)[:, :, :l], jnp.max(jnp.where(valid_c, a, NEG_INF))
+
+
+def _causal_exact(lq, sq, lk, sk, v1, anchor, block):
+    """Blocks of `block` tokens: the prefix of earlier blocks through states on their causal scale τ_n
+    (as the fast path), the diagonal block in log space: for j ≤ i in the block the terms
+    exp(l_q(i, f) + l_k(j, f) − c_i) are formed one by one, with c_i the maximum over the prefix
+    (l_q + τ_n) and over those terms — every term ≤ 1 and the largest = 1, for any inputs."""
+    b, h, l, f = lq.shape
+    c = min(block, l)
+    lk_c, lq_c = _key_chunks(lk, c), _chunks(lq, c)
+    v1_c = _chunks(v1, c)
+    sq_c = None if sq is None else _chunks(sq, c)
+    sk_c = None if sk is None else _chunks(sk, c)
+    n = lk_c.shape[2]
+
+    tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor)
+    lqt = jnp.where(jnp.isfinite(tau_p)[:, :, :, None], lq_c + _finite_or(tau_p)[:, :, :, None], NEG_INF)
+    tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
+    pair = jnp.where(tril, lq_c[:, :, :, :, None, :] + lk_c[:, :, :, None, :, :], NEG_INF)   # [B,H,N,i,j,F]
+    ci = jnp.maximum(jnp.max(lqt, axis=-1), jnp.max(pair, axis=(-2, -1)))
+    ci = sg(_finite_or(ci))
+    fq = _with_sign(jnp.exp(lqt - ci[..., None]), sq_c)
+    terms = jnp.exp(pair - ci[..., None, None])
+    if sq_c is not None:
+        terms = terms * sq_c[:, :, :, :, None, :] * sk_c[:, :, :, None, :, :]
+    scores = jnp.sum(terms, axis=-1)
+    out = jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c)
+    return out.reshape(b, h, n * c, -1)[:, :, :l]
+
+
+# -- decoding -----------------------------------------------------------------------------------------
+def decode_init(batch, heads, features, dv):
+    """The causal state after no token: the running per-feature key maximum τ and the sum
+    Σ_j φ_k(j)[v_j, 1] on its scale."""
+    return {"tau": jnp.full((batch, heads, features), NEG_INF, F32),
+            "sum": jnp.zeros((batch, heads, features, dv + 1), F32)}
+
+
+def decode_step(state, lq, sq, lk, sk, v, valid=None, positive=True):
+    """One token: lq, lk [B, H, F], v [B, H, Dv], valid [B] or None -> (out [B, H, Dv], state).
+    The same stabilisers as the causal pass with every key a chunk of its own: exact."""
+    lq, lk = lq.astype(F32), lk.astype(F32)
+    if valid is not None:
+        lk = jnp.where(jnp.asarray(valid, bool)[:, None, None], lk, NEG_INF)
+    tau = jnp.maximum(state["tau"], lk)
+    keep = jnp.where(jnp.isfinite(state["tau"]), jnp.exp(state["tau"] - _finite_or(tau)), 0.0)
+    fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - _finite_or(tau)), 0.0), sk)
+    v1 = _ones_column(v)
+    total = state["sum"] * keep[..., None] + fk[..., None] * v1[..., None, :]
+    lqt = jnp.where(jnp.isfinite(tau), lq + _finite_or(tau), NEG_INF)
+    cq = _finite_or(jnp.max(lqt, axis=-1, keepdims=True))
+    fq = _with_sign(jnp.exp(lqt - cq), sq)
+    out = jnp.einsum("bhf,bhfd->bhd", fq, total)
+    return _ratio(out, positive), {"tau": tau, "sum": total}

@@ -8,12 +8,17 @@ gives. A source yields host-local numpy batches:
 
 `batch_size` is global; each process gets rows [i·B/P, (i+1)·B/P) of every global batch, so the
 sharded loop assembles global arrays from the local slices (favor.sharding.global_batch).
+
+    data.names()            # every dataset name
+    data.get(config.data)   # the source the block names (its other keys are the source's options)
+    data.check(config.data) # the same errors as get, building nothing
 """
 
 from __future__ import annotations
 
-from favor.registry import build
+from favor import registry
 
+WHAT = "dataset"
 _REGISTRY = {
     "digits": "favor.data.digits:Digits",              # scikit-learn's digits (ships with it)
     "glue": "favor.data.glue:Glue",                    # TFDS glue/<task>
@@ -23,12 +28,13 @@ _REGISTRY = {
 }
 
 
-def names():
+def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
 def get(config):
-    """The source a `config.data` block names (its other keys are the source's options)."""
-    options = dict(config)
-    name = options.pop("name", None)
-    return build("dataset", _REGISTRY, name, options)
+    return registry.build(WHAT, _REGISTRY, *registry.split_block(config))
+
+
+def check(config) -> None:
+    registry.check(WHAT, _REGISTRY, *registry.split_block(config))

@@ -41,20 +41,29 @@ Decisions:
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 from pathlib import Path
 
 import numpy as np
 
 from favor.data import audio, tokenizers
 from favor.data.source import IndexedSource, open_tfds
-from favor.models import conformer
 
 DATASETS = {"librispeech": "librispeech", "local": "favor_speech"}
 TOKENIZER_SAMPLE = 20_000       # training transcripts read to train the tokenizer
-MIN_FRAMES = conformer.MIN_FRAMES   # the Conformer's two VALID stride-2 3×3 convolutions need 7 frames
+
+# The Conformer's 4× convolutional subsampling (two VALID 3-wide stride-2 convolutions), which the
+# buckets and label widths are sized by. Stated here so that data does not import models;
+# favor.models.conformer keeps its own copy for the model, and a test checks that the two agree.
+MIN_FRAMES = 7                  # the fewest frames that give one encoder frame
+
+
+def subsampled_length(frames):
+    """Encoder frames after the subsampling (int or numpy array; 0 below MIN_FRAMES)."""
+    for _ in range(2):
+        frames = np.maximum((frames - 3) // 2 + 1, 0)
+    return frames
+
 
 def _text(value) -> str:
     """A TFDS text feature as str: bytes, str, or a 0-d array of either (SkipDecoding gives arrays)."""
@@ -126,11 +135,7 @@ class Speech(IndexedSource):
         rows = range(n) if n <= TOKENIZER_SAMPLE else \
             np.sort(np.random.default_rng(0).choice(n, TOKENIZER_SAMPLE, replace=False))
         texts = [_transcript(texts_source[int(i)]["text"]) for i in rows]
-        # written under a name of this process's own, then renamed: no reader sees a partial model
-        tmp = path.with_name(f"{path.stem}.tmp-{socket.gethostname()}-{os.getpid()}.model")
-        tokenizers.train_sentencepiece(texts, tmp, self.vocab_size)
-        for suffix in (".vocab", ".model"):        # the .model last: its presence means both are complete
-            tmp.with_suffix(suffix).replace(path.with_suffix(suffix))
+        tokenizers.train_sentencepiece(texts, path, self.vocab_size)     # atomic: hosts may race here
         return path
 
     # -- IndexedSource -------------------------------------------------------------------------------
@@ -151,7 +156,7 @@ class Speech(IndexedSource):
         """One label width per frame bucket: the encoder frames of that bucket, the most labels CTC can
         align there (so a run compiles one shape per bucket). In evaluation a longer label (which no
         hypothesis can match, but the reference must be whole) widens it to the next power of two."""
-        frames = int(conformer.subsampled_length(width))
+        frames = int(subsampled_length(width))
         if train or longest <= frames:
             return frames
         return 1 << (longest - 1).bit_length()

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from favor.data import local, tokenizers
+from favor.data.atomic import unique_tag
 from favor.data.source import IndexedSource, open_tfds, records, text
 
 EVAL_MASK_SEED = 0x5EED
@@ -53,23 +54,11 @@ def _read_texts(src, field, rows):
 
 
 def train_tokenizer(src, field, output, vocab_size, sample, seed=0):
-    """A sentencepiece model trained on `sample` documents drawn without replacement (seeded). Written
-    under a temporary name and renamed (.vocab first, .model last): a reader never sees half a model."""
+    """A sentencepiece model trained on `sample` documents drawn without replacement (seeded), written
+    atomically (tokenizers.train_sentencepiece)."""
     n = len(src)
     rows = np.sort(np.random.default_rng(seed).permutation(n)[:min(int(sample), n)])
-    prefix = tokenizers.model_prefix(output)
-    tmp = f"{prefix}.tmp-{_unique()}"
-    tokenizers.train_sentencepiece(_read_texts(src, field, rows), tmp, vocab_size)
-    for suffix in (".vocab", ".model"):
-        os.replace(tmp + suffix, prefix + suffix)
-    return tokenizers.SentencePiece(prefix + ".model")
-
-
-def _unique() -> str:
-    """A temporary-file tag no other process (on this host or another sharing the disk) uses."""
-    import socket
-    import uuid
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return tokenizers.train_sentencepiece(_read_texts(src, field, rows), output, vocab_size)
 
 
 def pack(src, field, tokenizer, path, max_documents=0) -> np.ndarray:
@@ -83,7 +72,7 @@ def pack(src, field, tokenizer, path, max_documents=0) -> np.ndarray:
             for ids in tokenizer.ids(_read_texts(src, field, np.arange(start, min(start + 4096, n)))):
                 pieces.append(np.asarray([*ids, tokenizer.sep_id], dtype))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{_unique()}.tmp.npy")
+        tmp = path.with_name(f"{path.name}.{unique_tag()}.tmp.npy")
         np.save(tmp, np.concatenate(pieces) if pieces else np.zeros((0,), dtype))
         os.replace(tmp, path)                # atomic: a killed run never leaves a half-written cache
     return np.load(path, mmap_mode="r")

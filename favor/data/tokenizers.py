@@ -9,9 +9,12 @@ Every tokenizer encodes single sentences and pairs as BERT does: [CLS] a [SEP] (
 from __future__ import annotations
 
 import abc
+import os
 from pathlib import Path
 
 import numpy as np
+
+from favor.data.atomic import unique_tag
 
 KINDS = ("wordpiece", "sentencepiece")
 
@@ -104,7 +107,9 @@ def train_sentencepiece(texts, output, vocab_size: int, model_type: str = "unigr
                         character_coverage: float = 1.0, max_sentences: int = 1_000_000,
                         seed: int = 0) -> SentencePiece:
     """Train a sentencepiece model on `texts` (an iterable of str) and write `<prefix>.model`/`.vocab`
-    (prefix: `output` without ".model").
+    (prefix: `output` without ".model"). Both are written under a temporary prefix of this process's own
+    and renamed, .vocab first and .model last: a reader that finds the .model finds a whole model (hosts
+    sharing a cache may train the same one at once).
 
     Ids: 0 = pad (also the CTC blank slot of speech models), 1 = unk, then [CLS] [SEP] [MASK] as user
     symbols (never split, never produced from text), no bos/eos. Trained on at most `max_sentences`
@@ -120,11 +125,14 @@ def train_sentencepiece(texts, output, vocab_size: int, model_type: str = "unigr
     if len(lines) > max_sentences:
         keep = np.sort(np.random.default_rng(seed).choice(len(lines), int(max_sentences), replace=False))
         lines = [lines[i] for i in keep]
+    tmp = f"{prefix}.tmp-{unique_tag()}"
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=prefix, vocab_size=int(vocab_size),
+        sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=int(vocab_size),
         model_type=model_type, character_coverage=character_coverage, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
         user_defined_symbols=list(SPECIAL), input_sentence_size=0, shuffle_input_sentence=False,
         hard_vocab_limit=False, minloglevel=2)
+    for suffix in (".vocab", ".model"):
+        os.replace(tmp + suffix, prefix + suffix)
     return SentencePiece(prefix + ".model")
 
 

@@ -3,6 +3,9 @@
 A mechanism turns two sets of vectors into features whose inner product estimates SM:
 
     params = mech.fit(x, y)                     # data-dependent parameters, closed form
+    # = mech.fit_statistics(mech.statistics(x, y)): the fit sees the data only through its
+    # sufficient statistics, so they can be pooled, averaged over training steps (causal attention
+    # keeps running statistics, as BatchNorm does) or taken from a prefix
     w = mech.draw(key, num_features, params)    # the random draw (projections, integers, ...)
     fx = mech.query_features(x, w, params)      # [..., Lx, F]
     fy = mech.key_features(y, w, params)        # [..., Ly, F]
@@ -91,12 +94,23 @@ class Mechanism(abc.ABC):
 
     name: str = ""
     positive: bool = True   # features always > 0: the attention normaliser needs no sign guard
+    data_dependent: bool = True   # fit depends on the data (False: only on the dimension)
     options: dict[str, Any]
 
     # ---- data-dependent parameters -------------------------------------------------------
     @abc.abstractmethod
     def fit(self, x, y, x_mask=None, y_mask=None):
         """Closed-form parameters from the sets x [..., Lx, d] and y [..., Ly, d]."""
+
+    def statistics(self, x, y, x_mask=None, y_mask=None, init=None):
+        """The sufficient statistics `fit` uses, per leading index ([..., ...]); `init` a previous
+        value where the statistic is found iteratively (cluster centres)."""
+        raise TypeError(f"{self.name!r}: its fit has no sufficient statistics (data_dependent="
+                        f"{self.data_dependent}); call fit(x, y) directly")
+
+    def fit_statistics(self, stats):
+        """The parameters `fit` would give on data with these statistics."""
+        raise TypeError(f"{self.name!r}: its fit has no sufficient statistics; call fit(x, y) directly")
 
     # ---- the random draw -----------------------------------------------------------------
     @abc.abstractmethod
@@ -174,6 +188,23 @@ class Mechanism(abc.ABC):
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({self.name!r}{', ' if opts else ''}{opts})"
+
+
+def average_statistics(running, new, momentum):
+    """Running statistics as BatchNorm keeps them: momentum·running + (1 − momentum)·new, where both
+    have seen data; `new` alone the first time (count 0) and `running` alone where `new` saw nothing.
+    Every statistics pytree carries `count` (valid rows seen, per leading index)."""
+    fresh = running.count <= 0
+    empty = new.count <= 0
+
+    def mix(r, n):
+        shape = fresh.shape + (1,) * (r.ndim - fresh.ndim)
+        blend = momentum * r + (1.0 - momentum) * n
+        out = jnp.where(fresh.reshape(shape), n, blend)
+        return jnp.where(empty.reshape(shape), r, out)
+
+    out = jax.tree.map(mix, running, new)
+    return dataclasses.replace(out, count=running.count + new.count)
 
 
 class SymmetricMechanism(Mechanism):

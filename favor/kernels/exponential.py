@@ -65,30 +65,22 @@ def identity_params(batch_shape, d, a=None):
                      prop_prec=eye, prop_scale=eye, prop_logdet=jnp.zeros(batch_shape, jnp.float32))
 
 
-def _batch_shape(x, y):
-    return jnp.broadcast_shapes(x.shape[:-2], y.shape[:-2])
-
-
 def _mT(m):
     return jnp.swapaxes(m, -1, -2)
 
 
-def _importance_proposal(xt, wx, yt, wy, a):
+def _importance_proposal(mt, a):
     """Gaussian proposal p_Ψ ∝ p_Ω·q for f² = D² exp(2Σa_lω_l² + 2ωᵀBx' − ||x'||²), B = diag(√(1−4a)).
 
     Under x' ~ N(μ_x, Σ_x): log E_x f² = ωᵀ(2 diag(a) + 2 B G_x B)ω + 2ωᵀB m_x + const with
     G = Σ(I + 2Σ)⁻¹ and m = (I + 2Σ)⁻¹μ; q is the geometric mean of the two sides, so
-    p_Ψ = N(Λ⁻¹B(m_x + m_y), Λ⁻¹) with Λ = B(I − 2(G_x + G_y))B.
+    p_Ψ = N(Λ⁻¹B(m_x + m_y), Λ⁻¹) with Λ = B(I − 2(G_x + G_y))B. `mt`: moments of the transformed sets.
     """
     d = a.shape[-1]
     eye = jnp.eye(d, dtype=jnp.float32)
-
-    def moments(u, w):
-        mu = stats.mean(u, w)
-        return mu, stats.second_moment(u, w) - mu[..., :, None] * mu[..., None, :]
-
-    (mu_x, cov_x), (mu_y, cov_y) = moments(xt, wx), moments(yt, wy)
-    cov_x, cov_y = jnp.broadcast_arrays(cov_x, cov_y)
+    outer = lambda u: u[..., :, None] * u[..., None, :]
+    mu_x, mu_y = mt.mean_x, mt.mean_y
+    cov_x, cov_y = mt.second_x - outer(mu_x), mt.second_y - outer(mu_y)
     cov = jnp.stack([cov_x, cov_y])
     # one batched inverse for both sides: independent LAPACK calls can deadlock XLA:CPU (couplings.py)
     inv = jnp.linalg.inv(eye + 2.0 * cov)
@@ -96,14 +88,20 @@ def _importance_proposal(xt, wx, yt, wy, a):
     gx, gy = g[0], g[1]
     mx = jnp.einsum("...de,...e->...d", inv[0], mu_x)
     my = jnp.einsum("...de,...e->...d", inv[1], mu_y)
-    lam_k, u_k = jnp.linalg.eigh(eye - 2.0 * (gx + gy))
+    lam_k, u_k = stats.eigh(eye - 2.0 * (gx + gy))
     k = (u_k * jnp.maximum(lam_k, IS_PRECISION_FLOOR)[..., None, :]) @ _mT(u_k)
     b = jnp.sqrt(1.0 - 4.0 * a)
     prec = b[..., :, None] * k * b[..., None, :]
-    lam, u = jnp.linalg.eigh(prec)
+    lam, u = stats.eigh(prec)
     scale = (u * jax.lax.rsqrt(lam)[..., None, :]) @ _mT(u)
     mean = jnp.einsum("...de,...e->...d", scale @ scale, b * (mx + my))
     return mean, prec, scale, jnp.sum(jnp.log(lam), axis=-1)
+
+
+def _oprf_a(m):
+    """OPRF's A* (CRT Thm 3.3 with eq. 8's statistic), the same for every coordinate: [..., d]."""
+    d = m.mean_x.shape[-1]
+    return jnp.broadcast_to(stats.optimal_a(m.mean_pair_sq_norm(), d)[..., None], m.mean_x.shape)
 
 
 class ExponentialMechanism(Mechanism):
@@ -118,28 +116,34 @@ class ExponentialMechanism(Mechanism):
         self.importance = bool(options.get("importance_sampling", False))
 
     # -- fit -------------------------------------------------------------------------------------
-    def _transforms(self, x, wx, y, wy):
-        """(tq, tk, a) for this mechanism; default: identity transforms, OPRF's A*."""
-        d = x.shape[-1]
-        bs = _batch_shape(x, y)
-        v = stats.mean_pair_sq_norm(x, wx, y, wy)
-        a = jnp.broadcast_to(stats.optimal_a(v, d)[..., None], (*bs, d))
-        p = identity_params(bs, d)
-        return p.tq, p.tk, a
+    def _transforms(self, m):
+        """(tq, tk, a) for this mechanism from the moments `m`; default: identity, OPRF's A*."""
+        p = identity_params(m.count.shape, m.mean_x.shape[-1])
+        return p.tq, p.tk, _oprf_a(m)
 
-    def fit(self, x, y, x_mask=None, y_mask=None):
+    def statistics(self, x, y, x_mask=None, y_mask=None, init=None):
         x, y = check_sets(x, y, x_mask, y_mask)
-        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
-        wx, wy = stats.row_weights(x, x_mask), stats.row_weights(y, y_mask)
-        tq, tk, a = self._transforms(x, wx, y, wy)
-        bs, d = _batch_shape(x, y), x.shape[-1]
+        return stats.moments(x.astype(jnp.float32), y.astype(jnp.float32), x_mask, y_mask)
+
+    def fit_statistics(self, m):
+        bs, d = m.count.shape, m.mean_x.shape[-1]
+        tq, tk, a = self._transforms(m)
         tq, tk = jnp.broadcast_to(tq, (*bs, d, d)), jnp.broadcast_to(tk, (*bs, d, d))
         a = jnp.broadcast_to(a, (*bs, d))
+        # statistics of no data (a causal layer before its first training step): the data-independent
+        # member of the family, positive RFs, not whatever a transform of zero matrices gives
+        seen = (m.count > 0)[..., None]
+        eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tq.shape)
+        tq, tk = jnp.where(seen[..., None], tq, eye), jnp.where(seen[..., None], tk, eye)
+        a = jnp.where(seen, a, 0.0)
         if not self.importance:
             return dataclasses.replace(identity_params(bs, d, a), tq=tq, tk=tk, transform=self.TRANSFORM)
-        mean, prec, scale, logdet = _importance_proposal(x @ tq, wx, y @ tk, wy, a)
+        mean, prec, scale, logdet = _importance_proposal(m.transformed(tq, tk), a)
         return ExpParams(tq=tq, tk=tk, a=a, prop_mean=mean, prop_prec=prec, prop_scale=scale,
                          prop_logdet=logdet, importance=True, transform=self.TRANSFORM)
+
+    def fit(self, x, y, x_mask=None, y_mask=None):
+        return self.fit_statistics(self.statistics(x, y, x_mask, y_mask))
 
     # -- draw ------------------------------------------------------------------------------------
     def draw(self, key, num_features, params, coupling="iid"):
@@ -236,9 +240,12 @@ class Positive(ExponentialMechanism):
             raise ValueError("positive: antithetic=True needs a proposal symmetric about 0, which "
                              "importance_sampling=True does not give; choose one of the two")
 
-    def _transforms(self, x, wx, y, wy):
-        bs, d = _batch_shape(x, y), x.shape[-1]
-        p = identity_params(bs, d)
+    @property
+    def data_dependent(self):
+        return self.importance
+
+    def _transforms(self, m):
+        p = identity_params(m.count.shape, m.mean_x.shape[-1])
         return p.tq, p.tk, p.a
 
     def feature_dim(self, num_features):
@@ -296,8 +303,12 @@ class GERF(ExponentialMechanism):
             raise ValueError(f"gerf: a must be a real number below 1/8 (or None for OPRF's optimum); "
                              f"got {self.a!r}")
 
-    def _transforms(self, x, wx, y, wy):
-        tq, tk, a = super()._transforms(x, wx, y, wy)
+    @property
+    def data_dependent(self):
+        return self.a is None or self.importance
+
+    def _transforms(self, m):
+        tq, tk, a = super()._transforms(m)
         if self.a is not None:
             a = jnp.full_like(a, float(self.a))
         return tq, tk, a
@@ -309,27 +320,19 @@ class OPRF(ExponentialMechanism):
     name = "oprf"
 
 
-def _oprf_after(xt, wx, yt, wy):
-    """OPRF's A* on already-transformed sets (SADERF and ADERF reduce to this)."""
-    d = xt.shape[-1]
-    v = stats.mean_pair_sq_norm(xt, wx, yt, wy)
-    return jnp.broadcast_to(stats.optimal_a(v, d)[..., None], (*v.shape, d))
-
-
 class SADERF(ExponentialMechanism):
     """Simplified asymmetric DERF: x → Ψx, y → Ψ⁻¹y, ψ_l = (E y_l² / E x_l²)^¼, then OPRF."""
 
     name = "saderf"
     TRANSFORM = "diagonal"
 
-    def _transforms(self, x, wx, y, wy):
+    def _transforms(self, m):
         tiny = 1e-12
-        mx = jnp.einsum("...l,...ld->...d", wx, x * x) + tiny
-        my = jnp.einsum("...l,...ld->...d", wy, y * y) + tiny
-        psi = (my / mx) ** 0.25
-        eye = jnp.eye(x.shape[-1], dtype=jnp.float32)
+        diag = lambda a: jnp.diagonal(a, axis1=-2, axis2=-1)
+        psi = ((diag(m.second_y) + tiny) / (diag(m.second_x) + tiny)) ** 0.25
+        eye = jnp.eye(psi.shape[-1], dtype=jnp.float32)
         tq, tk = eye * psi[..., None, :], eye / psi[..., None, :]
-        return tq, tk, _oprf_after(x * psi[..., None, :], wx, y / psi[..., None, :], wy)
+        return tq, tk, _oprf_a(m.transformed(tq, tk))
 
 
 class ADERF(ExponentialMechanism):
@@ -342,13 +345,13 @@ class ADERF(ExponentialMechanism):
     name = "aderf"
     TRANSFORM = "dense"
 
-    def _transforms(self, x, wx, y, wy):
-        m1, m2 = stats.second_moment(x, wx), stats.second_moment(y, wy)
+    def _transforms(self, m):
+        m1, m2 = m.second_x, m.second_y
         r1, r1_inv = stats.sym_sqrt_and_inv(m1)
         c_half, _ = stats.sym_sqrt_and_inv(r1 @ m2 @ r1)
         p = r1_inv @ c_half @ r1_inv
         q, q_inv = stats.sym_sqrt_and_inv(0.5 * (p + _mT(p)))
-        return q, q_inv, _oprf_after(x @ q, wx, y @ q_inv, wy)
+        return q, q_inv, _oprf_a(m.transformed(q, q_inv))
 
 
 class SDERF(ExponentialMechanism):
@@ -357,9 +360,8 @@ class SDERF(ExponentialMechanism):
     name = "sderf"
     TRANSFORM = "orthogonal"
 
-    def _transforms(self, x, wx, y, wy):
-        xm, ym = stats.mean(x, wx), stats.mean(y, wy)
-        cross = xm[..., :, None] * ym[..., None, :]
-        n = stats.second_moment(x, wx) + stats.second_moment(y, wy) + cross + _mT(cross)
-        lam, u = jnp.linalg.eigh(n)
+    def _transforms(self, m):
+        cross = m.mean_x[..., :, None] * m.mean_y[..., None, :]
+        n = m.second_x + m.second_y + cross + _mT(cross)
+        lam, u = stats.eigh(n)
         return u, u, stats.optimal_a(lam, 1)

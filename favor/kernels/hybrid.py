@@ -93,6 +93,7 @@ class _HybridBase(Mechanism):
     """Draw and feature plumbing shared by the bipolar and clustering variants."""
 
     positive = False
+    data_dependent = False
     n = 1
 
     def fit(self, x, y, x_mask=None, y_mask=None):
@@ -228,8 +229,17 @@ class HybridGaussian(Hybrid):
         return g * g + var, (1.0 - g) ** 2 + var
 
 
-def kmeans(u, mask, k, iters=KMEANS_ITERS):
-    """Deterministic k-means on valid rows: farthest-point initialisation, then Lloyd steps."""
+@pytree_dataclass
+class ClusterStats:
+    """What hrf-cluster's fit uses: the k-means centres of each set."""
+    q_centers: jax.Array   # [..., cq, d]
+    k_centers: jax.Array   # [..., ck, d]
+    count: jax.Array       # [...] valid rows seen (the smaller set)
+
+
+def kmeans(u, mask, k, iters=KMEANS_ITERS, init=None):
+    """Deterministic k-means on valid rows: farthest-point initialisation (or `init`, e.g. running
+    centres, which keeps cluster labels stable from one batch to the next), then Lloyd steps."""
     w = jnp.ones(u.shape[:-1]) if mask is None else jnp.asarray(mask, jnp.float32)
     wn = w / jnp.maximum(jnp.sum(w, -1, keepdims=True), 1.0)
     first = stats.mean(u, wn)[..., None, :]
@@ -243,6 +253,8 @@ def kmeans(u, mask, k, iters=KMEANS_ITERS):
     centers = first
     for _ in range(k - 1):
         centers, _ = add_center(centers, None)
+    if init is not None:
+        centers = jnp.broadcast_to(init, centers.shape)
 
     def lloyd(centers, _):
         assign = assign_clusters(u, centers)
@@ -264,6 +276,7 @@ def assign_clusters(u, centers):
 class HybridCluster(_HybridBase):
     name = "hrf-cluster"
     OPTIONS = {"query_clusters": 2, "key_clusters": 2}
+    data_dependent = True
 
     def __init__(self, **options):
         self.options = options
@@ -273,13 +286,27 @@ class HybridCluster(_HybridBase):
             raise ValueError(f"hrf-cluster: query_clusters and key_clusters must be ≥ 1; "
                              f"got {self.cq} and {self.ck}")
 
-    def fit(self, x, y, x_mask=None, y_mask=None):
+    def statistics(self, x, y, x_mask=None, y_mask=None, init=None):
         x, y = check_sets(x, y, x_mask, y_mask)
         x, y = x.astype(jnp.float32), y.astype(jnp.float32)
-        cq, ck = kmeans(x, x_mask, self.cq), kmeans(y, y_mask, self.ck)
-        log_pos, log_trig = _lemma22_log_mse(cq, ck)
+        start_q = start_k = None
+        if init is not None:   # warm start from centres that have seen data; else farthest points
+            seen = (init.count > 0)[..., None, None]
+            start_q = jnp.where(seen, init.q_centers, kmeans(x, x_mask, self.cq, iters=0))
+            start_k = jnp.where(seen, init.k_centers, kmeans(y, y_mask, self.ck, iters=0))
+        cq = kmeans(x, x_mask, self.cq, init=start_q)
+        ck = kmeans(y, y_mask, self.ck, init=start_k)
+        count = jnp.minimum(stats.valid_count(x, x_mask), stats.valid_count(y, y_mask))
+        bs = jnp.broadcast_shapes(cq.shape[:-2], ck.shape[:-2])
+        return ClusterStats(q_centers=cq, k_centers=ck, count=jnp.broadcast_to(count, bs))
+
+    def fit_statistics(self, s):
+        log_pos, log_trig = _lemma22_log_mse(s.q_centers, s.k_centers)
         lam = jax.nn.sigmoid(log_trig - log_pos)       # MSE_trig / (MSE₊₊ + MSE_trig)
-        return HybridParams(q_centers=cq, k_centers=ck, lam=lam, dim=x.shape[-1])
+        return HybridParams(q_centers=s.q_centers, k_centers=s.k_centers, lam=lam, dim=s.q_centers.shape[-1])
+
+    def fit(self, x, y, x_mask=None, y_mask=None):
+        return self.fit_statistics(self.statistics(x, y, x_mask, y_mask))
 
     def feature_dim(self, num_features):
         return self.ck * 4 * num_features

@@ -5,7 +5,53 @@ Everything here is O(L·d) or O(L·d²): no statistic ever forms the Lx × Ly pa
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+from favor.kernels.base import pytree_dataclass
+
+
+@pytree_dataclass
+class Moments:
+    """Sufficient statistics of the exponential mechanisms' fits: weighted means and second moments
+    of both sets (every fit is a closed form of these), and the valid-row counts."""
+    mean_x: jax.Array     # [..., d]
+    mean_y: jax.Array     # [..., d]
+    second_x: jax.Array   # [..., d, d]  E[x xᵀ]
+    second_y: jax.Array   # [..., d, d]
+    count: jax.Array      # [...] valid rows seen (the smaller of the two sets)
+
+    def transformed(self, tq, tk):
+        """Moments of x' = x·T_q and y' = y·T_k."""
+        tqt, tkt = jnp.swapaxes(tq, -1, -2), jnp.swapaxes(tk, -1, -2)
+        return Moments(mean_x=jnp.einsum("...d,...de->...e", self.mean_x, tq),
+                       mean_y=jnp.einsum("...d,...de->...e", self.mean_y, tk),
+                       second_x=tqt @ self.second_x @ tq, second_y=tkt @ self.second_y @ tk,
+                       count=self.count)
+
+    def mean_pair_sq_norm(self):
+        """mean_{i,j} ||x_i + y_j||² (CRT eq. 8) from the moments."""
+        tr = lambda m: jnp.trace(m, axis1=-2, axis2=-1)
+        return tr(self.second_x) + 2.0 * jnp.sum(self.mean_x * self.mean_y, -1) + tr(self.second_y)
+
+
+def moments(x, y, x_mask=None, y_mask=None):
+    """Moments of the valid rows of x [..., Lx, d] and y [..., Ly, d]."""
+    wx, wy = row_weights(x, x_mask), row_weights(y, y_mask)
+    count = jnp.minimum(valid_count(x, x_mask), valid_count(y, y_mask))
+    mean_x, mean_y = mean(x, wx), mean(y, wy)
+    second_x, second_y = second_moment(x, wx), second_moment(y, wy)
+    bs = jnp.broadcast_shapes(mean_x.shape[:-1], mean_y.shape[:-1])
+    d = x.shape[-1]
+    b = lambda a, tail: jnp.broadcast_to(a, (*bs, *tail))
+    return Moments(mean_x=b(mean_x, (d,)), mean_y=b(mean_y, (d,)), second_x=b(second_x, (d, d)),
+                   second_y=b(second_y, (d, d)), count=b(count, ()))
+
+
+def valid_count(u, mask):
+    if mask is None:
+        return jnp.full(u.shape[:-2], float(u.shape[-2]), jnp.float32)
+    return jnp.sum(jnp.asarray(mask, jnp.float32), axis=-1)
 
 
 def row_weights(u, mask):
@@ -55,6 +101,36 @@ def optimal_a(v, d):
     return (1.0 - 1.0 / rho_star(v, d)) / 8.0
 
 
+@jax.custom_jvp
+def eigh(m):
+    """jnp.linalg.eigh with a derivative that stays finite on degenerate spectra.
+
+    The eigenvector derivative has 1/(λ_i − λ_j), infinite where eigenvalues coincide (fewer tokens
+    than dimensions give many zero eigenvalues), and jnp's rule then puts NaN into every gradient
+    (fit_gradients=True). Here 1/Δ becomes Δ/(Δ² + ε²) with ε = 1e-6 of the spectrum's scale:
+    unchanged for separated eigenvalues; inside a degenerate subspace the basis is arbitrary and any
+    basis gives a valid (unbiased) estimator, so rotating it is not a direction the gradient needs;
+    and for matrix functions U g(Λ) Uᵀ the terms it drops are (g(λ_i) − g(λ_j))·(...) = 0 there.
+    """
+    return jnp.linalg.eigh(m)
+
+
+@eigh.defjvp
+def _eigh_jvp(primals, tangents):
+    (m,), (dm,) = primals, tangents
+    w, v = eigh(m)
+    dm = 0.5 * (dm + jnp.swapaxes(dm, -1, -2))
+    vt = jnp.swapaxes(v, -1, -2)
+    inner = vt @ dm @ v
+    dw = jnp.diagonal(inner, axis1=-2, axis2=-1)
+    gap = w[..., None, :] - w[..., :, None]                       # [j, i] = λ_i − λ_j
+    # floored where ε² stays a normal float32 (a zero spectrum, e.g. an all-padding example, must not
+    # give 0/0)
+    eps = jnp.maximum(1e-6 * jnp.max(jnp.abs(w), axis=-1, keepdims=True)[..., None], 1e-18)
+    inv_gap = gap / (gap * gap + eps * eps)                       # 0 on the diagonal
+    return (w, v), (dw, v @ (inv_gap * inner))
+
+
 def sym_sqrt_and_inv(m, eps=1e-6):
     """M^(1/2) and M^(-1/2) of a symmetric PSD matrix via eigh, eigenvalues floored at eps·tr/d.
 
@@ -62,7 +138,7 @@ def sym_sqrt_and_inv(m, eps=1e-6):
     transform keeps the DERF features unbiased, so it costs optimality, never correctness.
     """
     d = m.shape[-1]
-    lam, u = jnp.linalg.eigh(m)
+    lam, u = eigh(m)
     floor = eps * jnp.maximum(jnp.trace(m, axis1=-2, axis2=-1) / d, 1e-12)
     lam = jnp.maximum(lam, floor[..., None])
     root = jnp.sqrt(lam)

@@ -23,6 +23,7 @@ class NoParams:
 class Trig(SymmetricMechanism):
     name = "trig"
     positive = False
+    data_dependent = False
     OPTIONS = {}
 
     def __init__(self, **options):

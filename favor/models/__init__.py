@@ -16,7 +16,7 @@ from flax import nnx
 
 from favor import attention as attention_lib
 from favor.models import presets
-from favor.models.layers import FeatureDraw, logical_axes, redraw_features
+from favor.models.layers import FeatureDraw, FitStatistics, logical_axes, redraw_features
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -85,4 +85,4 @@ def param_count(model: nnx.Module) -> int:
 from favor.models import hf  # noqa: E402  (after get: hf builds models through it)
 
 __all__ = ["hf", "names", "preset_names", "config", "get", "param_count", "logical_axes", "redraw_features",
-           "FeatureDraw"]
+           "FeatureDraw", "FitStatistics"]

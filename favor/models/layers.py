@@ -21,6 +21,12 @@ from favor.attention.kinds import RandomFeatureAttention
 AXES = ("vocab", "embed", "heads", "mlp", "kernel", "classes")
 
 
+class FitStatistics(nnx.Variable):
+    """Running statistics of a causal layer's data-dependent fit (favor++, favor#, hrf-cluster,
+    importance sampling): averaged over training batches as BatchNorm averages its moments, used by
+    every causal call instead of a fit on the sequence itself (which would read the future)."""
+
+
 class FeatureDraw(nnx.Variable):
     """The random projections of one attention layer (its `base_draw`): state, not a parameter.
 
@@ -107,6 +113,13 @@ class SelfAttention(nnx.Module):
             self.features = FeatureDraw(self.kind.base_draw(rngs.features(), self.head_dim))
         else:
             self.features = None
+        if causal and self.kind.data_dependent:
+            # statistics of no data: the fit then falls back to the family's data-independent member
+            empty = jnp.zeros((1, 1, heads, self.head_dim), jnp.float32)
+            none = jnp.zeros((1, 1), bool)
+            self.fit_stats = FitStatistics(self.kind.statistics(empty, empty, none, none))
+        else:
+            self.fit_stats = None
 
     def redraw(self, key):
         if self.features is not None:
@@ -125,7 +138,14 @@ class SelfAttention(nnx.Module):
             kept = self.key_dropout(jnp.ones((b, l), jnp.float32), deterministic=False) > 0
             key_mask = kept if key_mask is None else key_mask & kept
         draw = None if self.features is None else self.features.get_value()
-        out = self.kind(q, k, v, mask=key_mask, causal=self.causal, draw=draw)
+        query_mask = None if mask is None else jnp.asarray(mask, bool)
+        stats = None
+        if self.fit_stats is not None:
+            stats = self.fit_stats.get_value()       # this call uses what earlier batches gave
+            if not deterministic:
+                self.fit_stats.set_value(self.kind.update_statistics(stats, q, k, key_mask, query_mask))
+        out = self.kind(q, k, v, mask=key_mask, causal=self.causal, draw=draw, query_mask=query_mask,
+                        stats=stats)
         return self.out(out.reshape(b, l, self.heads * self.head_dim).astype(x.dtype))
 
 

@@ -6,13 +6,17 @@ A task has
     eval_outputs(model, batch) -> {name: array}    (eval step, jitted: sums, or per-example outputs)
     finalize([outputs of every eval batch]) -> {metric: value}               (host, after the split)
     bind(source)  (optional): called once with the data source (the CTC task takes its tokenizer)
+
+    tasks.names()            # every task name
+    tasks.get(config.task)   # the task the block names (its other keys are the task's options)
+    tasks.check(config.task) # the same errors as get, building nothing
 """
 
 from __future__ import annotations
 
-from favor.registry import build
+from favor import registry
 
-
+WHAT = "task"
 _REGISTRY = {
     "classification": "favor.tasks.classification:Classification",
     "glue": "favor.tasks.glue:Glue",
@@ -21,11 +25,13 @@ _REGISTRY = {
 }
 
 
-def names():
+def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
 def get(config):
-    options = dict(config)
-    name = options.pop("name", None)
-    return build("task", _REGISTRY, name, options)
+    return registry.build(WHAT, _REGISTRY, *registry.split_block(config))
+
+
+def check(config) -> None:
+    registry.check(WHAT, _REGISTRY, *registry.split_block(config))

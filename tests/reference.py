@@ -1,0 +1,141 @@
+"""An independent float64 computation of what every attention kind estimates, for the tests.
+
+Shares only the random draw ω and the fitted parameters with favor (read from the layer's context);
+the feature formulas are written here again from MATH.md and the papers, in numpy float64, in log
+space with a per-row shift, and the attention ratio is formed from the explicit L×L weights with an
+exact division. Nothing here calls favor's feature maps, stabilisers, fits or guards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _np(a):
+    return np.asarray(a, np.float64)
+
+
+def _sym_terms(la, sa, lb, sb):
+    """Pairwise products of per-feature terms: (log|t| [..., Lx, Ly, T], sign or None)."""
+    lt = la[..., :, None, :] + lb[..., None, :, :]
+    st = None if sa is None and sb is None else (
+        (np.ones_like(la) if sa is None else sa)[..., :, None, :] * (np.ones_like(lb) if sb is None else sb)[..., None, :, :])
+    return lt, st
+
+
+def exponential_log_features(u, t, a, omega, log_w):
+    """MATH.md's dense-exponential map: Σ_l [¼log(1−4a_l) + a_l ω_l² + √(1−4a_l) ω_l u'_l] − ½||u'||²
+    + ½ log w − ½ log M, u' = u·T. u [..., L, d] -> [..., L, M]."""
+    ut = u @ t
+    b = np.sqrt(1.0 - 4.0 * a)                                          # [..., d]
+    m = omega.shape[-2]
+    proj = np.einsum("...ld,...md->...lm", ut, omega * b[..., None, :])
+    const = (0.25 * np.sum(np.log1p(-4.0 * a), -1)[..., None] + np.einsum("...md,...d->...m", omega ** 2, a)
+             + 0.5 * log_w - 0.5 * math.log(m))
+    return proj + const[..., None, :] - 0.5 * np.sum(ut * ut, -1)[..., None]
+
+
+def _trig_terms(x, y, omega):
+    """Ŝ_trig = (1/m) Σ cos(ω(x − y)) e^{(||x||²+||y||²)/2}: m terms per pair."""
+    m = omega.shape[-2]
+    diff = x[..., :, None, :] - y[..., None, :, :]
+    c = np.einsum("...ijd,...md->...ijm", diff, np.broadcast_to(omega, (*x.shape[:-2], *omega.shape[-2:])))
+    cos = np.cos(c)
+    norms = 0.5 * (np.sum(x * x, -1)[..., :, None] + np.sum(y * y, -1)[..., None, :])
+    return np.log(np.abs(cos)) + norms[..., None] - math.log(m), np.sign(cos)
+
+
+def _antithetic_terms(x, y, omega):
+    """Ŝ₊₊ = (1/2m) Σ [e^{ω(x+y)} + e^{−ω(x+y)}] e^{−(||x||²+||y||²)/2}: 2m terms per pair."""
+    m = omega.shape[-2]
+    s = x[..., :, None, :] + y[..., None, :, :]
+    p = np.einsum("...ijd,...md->...ijm", s, np.broadcast_to(omega, (*x.shape[:-2], *omega.shape[-2:])))
+    norms = -0.5 * (np.sum(x * x, -1)[..., :, None] + np.sum(y * y, -1)[..., None, :])
+    return np.concatenate([p, -p], -1) + norms[..., None] - math.log(2 * m)
+
+
+def _hybrid_terms(mech, x, y, draw, params):
+    """HRF: Ŝ = λ̂·Ŝ₊₊ + (1 − λ̂)·Ŝ_trig with λ̂ from the variant's own definition (HRF §3)."""
+    lp = _antithetic_terms(x, y, _np(draw.pos.omega))
+    lt, st = _trig_terms(x, y, _np(draw.trig.omega))
+    if mech.name == "hrf-angular":
+        tau = _np(draw.lam.omega)
+        sx, sy = np.sign(x @ tau.T), np.sign(y @ tau.T)
+        sx[sx == 0], sy[sy == 0] = 1.0, 1.0
+        lam = 0.5 - np.einsum("...in,...jn->...ij", sx, sy) / (2 * tau.shape[0])
+    elif mech.name == "hrf-gaussian":
+        tau = _np(draw.lam.omega)
+        s = x[..., :, None, :] + y[..., None, :, :]
+        lam = np.mean(np.cos(mech.sigma * np.einsum("...ijd,nd->...ijn", s, tau)), -1)
+    else:   # hrf-cluster: λ fitted per (query cluster, key cluster), clusters by the nearest centre
+        cq, ck, table = _np(params.q_centers), _np(params.k_centers), _np(params.lam)
+        iq = np.argmin(np.sum((x[..., :, None, :] - cq[..., None, :, :]) ** 2, -1), -1)
+        ik = np.argmin(np.sum((y[..., :, None, :] - ck[..., None, :, :]) ** 2, -1), -1)
+        table = np.broadcast_to(table, (*x.shape[:-2], *table.shape[-2:]))
+        lam = np.take_along_axis(np.take_along_axis(table, iq[..., :, None], -2),
+                                 np.broadcast_to(ik[..., None, :], (*iq.shape, ik.shape[-1])), -1)
+    with np.errstate(divide="ignore"):
+        la, sa = np.log(np.abs(lam)), np.sign(lam)
+        lb, sb = np.log(np.abs(1.0 - lam)), np.sign(1.0 - lam)
+    logs = np.concatenate([lp + la[..., None], lt + lb[..., None]], -1)
+    signs = np.concatenate([np.broadcast_to(sa[..., None], lp.shape), st * sb[..., None]], -1)
+    # Any linear-attention form of HRF (HRF Lemma 2.3's tensor products) sums λ̂'s parts separately:
+    # Ŝ₊₊ with total weight a + Σ|ρ_q ρ_k| ≤ 1 and Ŝ_trig with (1 − a) + Σ|ρ_q ρ_k| ≤ 2, which cancel to
+    # λ̂ and 1 − λ̂ only in exact arithmetic. The float condition is that of those magnitudes.
+    mags = np.concatenate([lp, lt + math.log(2.0)], -1)
+    return logs, signs, mags
+
+
+def pair_terms(attn, q, k, ctx):
+    """Every term of the estimate of exp(x_iᵀy_j) for every pair, (log|t|, sign or None[, log of the
+    magnitude a feature-space computation must sum]) [B, H, Lq, Lk, T], with x = q·D^(−1/4),
+    y = k·D^(−1/4) in float64."""
+    d = q.shape[-1]
+    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
+    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    name = attn.name
+    if name in ("relu", "elu"):
+        phi = (lambda u: np.maximum(u, 0.0)) if name == "relu" else (lambda u: np.where(u > 0, u + 1.0, np.exp(u)))
+        xq = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2)
+        yk = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2)
+        with np.errstate(divide="ignore"):
+            return _sym_terms(np.log(phi(xq)), None, np.log(phi(yk)), None)
+    mech, draw, params = attn.mech, ctx.draw, ctx.params
+    if mech.name == "trig":
+        return _trig_terms(x, y, _np(draw.omega))
+    if mech.name.startswith("hrf"):
+        return _hybrid_terms(mech, x, y, draw, params)
+    omega, log_w = _np(draw.omega), _np(draw.log_weights)
+    lx = exponential_log_features(x, _np(params.tq), _np(params.a), omega, log_w)
+    ly = exponential_log_features(y, _np(params.tk), _np(params.a), omega, log_w)
+    return _sym_terms(lx, None, ly, None)
+
+
+def attention(attn, q, k, v, ctx, mask=None, causal=False):
+    """(out [B, Lq, H, Dv], bound [B, Lq, H]): the float64 attention output of the estimator, and the
+    size of a float rounding error relative to it, Σ|terms|·(|v| + |out|)/|den| (the ratio's condition;
+    for positive kinds ≈ 2·max|v|). Rows with no valid key output 0."""
+    terms = pair_terms(attn, q, k, ctx)
+    lt, st = terms[:2]
+    lm = terms[2] if len(terms) > 2 else lt
+    b, h, lq, lk, _ = lt.shape
+    keep = np.ones((b, 1, lq, lk), bool)
+    if mask is not None:
+        keep &= np.asarray(mask, bool)[:, None, None, :]
+    if causal:
+        keep &= np.tril(np.ones((lq, lk), bool), k=lk - lq)[None, None]
+    lt = np.where(keep[..., None], lt, -np.inf)
+    lm = np.where(keep[..., None], lm, -np.inf)
+    shift = np.max(lm, axis=(-2, -1), keepdims=True)
+    shift = np.where(np.isfinite(shift), shift, 0.0)
+    mag = np.exp(lt - shift)
+    w = np.sum(mag if st is None else mag * st, -1)                    # [B, H, Lq, Lk]
+    wabs = np.sum(np.exp(lm - shift), -1)
+    vv = np.swapaxes(_np(np.asarray(v, np.float32)), 1, 2)            # [B, H, Lk, Dv]
+    num, den = w @ vv, np.sum(w, -1)
+    out = np.where(den[..., None] != 0, num / np.where(den == 0, 1.0, den)[..., None], 0.0)
+    cond = (wabs @ np.abs(vv) + np.sum(wabs, -1)[..., None] * np.abs(out)) / np.where(den == 0, 1.0, np.abs(den))[..., None]
+    cond = np.where(den[..., None] == 0, 0.0, cond)
+    return np.swapaxes(out, 1, 2), np.swapaxes(np.max(cond, -1), 1, 2)
