@@ -207,6 +207,17 @@ def _prefix_states(lk_c, sk_c, v1_c, anchor):
     return jnp.moveaxis(tau, 0, 2), jnp.moveaxis(prefix, 0, 2)
 
 
+def _chunked_with_prefix(lq, sq, lk, sk, v1, anchor, size):
+    """Everything in chunks of `size` (c, N, then q, sign, k, sign, [v, 1] as [B, H, N, c, ·]) and the
+    prefix states before each chunk on its causal scale τ_n (anchor included)."""
+    c = min(size, lq.shape[2])
+    chunk = lambda a: None if a is None else _chunks(a, c)
+    lk_c = _key_chunks(lk, c)
+    sk_c, v1_c = chunk(sk), chunk(v1)
+    tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor)
+    return c, lk_c.shape[2], chunk(lq), chunk(sq), lk_c, sk_c, v1_c, tau_p, prefix
+
+
 def _fast_references(lk_c, anchor):
     """τ_n = max(anchor, max over earlier chunks) for the fast path, [B, H, N, F]."""
     mu = jnp.max(lk_c, axis=3)
@@ -234,14 +245,8 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     every factor ≤ 1, the denominator ≥ e^(−α_i), and each product Q̂K̂ at least its true value: exact
     while every a_j ≤ FAST_EXCEEDANCE. Returns (out [B, H, L, Dv+1], max exceedance)."""
     b, h, l, f = lq.shape
-    c = min(chunk_size, l)
-    lk_c, lq_c = _key_chunks(lk, c), _chunks(lq, c)
-    v1_c = _chunks(v1, c)
-    sq_c = None if sq is None else _chunks(sq, c)
-    sk_c = None if sk is None else _chunks(sk, c)
-    n = lk_c.shape[2]
-
-    tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor)      # on the scale τ_n (anchor included)
+    c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(
+        lq, sq, lk, sk, v1, anchor, chunk_size)
     tau = _finite_or(tau_p)[:, :, :, None]                          # [B, H, N, 1, F]
     a = sg(jnp.max(lk_c - tau, axis=-1))                            # [B, H, N, C], −inf: no key
     fk = _with_sign(jnp.exp(lk_c - tau - _finite_or(a)[..., None]), sk_c)
@@ -275,14 +280,8 @@ def _causal_exact(lq, sq, lk, sk, v1, anchor, block):
     exp(l_q(i, f) + l_k(j, f) − c_i) are formed one by one, with c_i the maximum over the prefix
     (l_q + τ_n) and over those terms — every term ≤ 1 and the largest = 1, for any inputs."""
     b, h, l, f = lq.shape
-    c = min(block, l)
-    lk_c, lq_c = _key_chunks(lk, c), _chunks(lq, c)
-    v1_c = _chunks(v1, c)
-    sq_c = None if sq is None else _chunks(sq, c)
-    sk_c = None if sk is None else _chunks(sk, c)
-    n = lk_c.shape[2]
-
-    tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor)
+    c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(
+        lq, sq, lk, sk, v1, anchor, block)
     lqt = jnp.where(jnp.isfinite(tau_p)[:, :, :, None], lq_c + _finite_or(tau_p)[:, :, :, None], NEG_INF)
     tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
     pair = jnp.where(tril, lq_c[:, :, :, :, None, :] + lk_c[:, :, :, None, :, :], NEG_INF)   # [B,H,N,i,j,F]
