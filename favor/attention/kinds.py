@@ -26,9 +26,6 @@ from favor import kernels
 from favor.attention import linear, schedule
 from favor.kernels.base import pytree_dataclass
 
-REDRAW_HELP = schedule.HELP
-
-
 def check_qkv(q, k, v, mask, query_mask=None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects q [B, Lq, H, D], k and v [B, Lk, H, D(v)]; "
@@ -218,12 +215,6 @@ class RandomFeatureContext:
     draw: Any
 
 
-def parse_redraw(redraw):
-    """(kind, every) of a redraw string; kept for callers of the old helper (favor.attention.schedule)."""
-    sched = schedule.parse(redraw)
-    return sched.kind, (sched.every if sched.kind == "every" else 0)
-
-
 class RandomFeatureAttention(FeatureAttention):
     """Linear attention over a kernel mechanism's random features (FAVOR, FAVOR+, ++, #, HRF, SimRF).
 
@@ -246,7 +237,6 @@ class RandomFeatureAttention(FeatureAttention):
             raise ValueError(f"{self.name}: num_features must be ≥ 1; got {options['num_features']!r}")
         self.coupling = kernels.couplings.check_coupling(options["coupling"])
         self.schedule = schedule.parse(options["redraw"])
-        self.redraw, self.redraw_every = parse_redraw(self.schedule)
         self.seed = int(options["seed"])
         self.fit_gradients = bool(options["fit_gradients"])
         self.stats_momentum = float(options.get("stats_momentum", 0.99))

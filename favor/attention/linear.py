@@ -133,7 +133,7 @@ def _causal(lq, sq, lk, sk, v, valid, positive, chunk_size, path):
     anchor = _anchor(lk)
 
     def fast(ops):
-        return _causal_fast(*ops, anchor, chunk_size)[0]
+        return _causal_fast(*ops, anchor, chunk_size)
 
     def exact(ops):
         return _causal_exact(*ops, anchor, EXACT_BLOCK)
@@ -243,7 +243,7 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
         out_i ∝ e^(−α_i)·Q̂_i P_n + Σ_{j ≤ i in chunk} (Q̂_i·K̂_j)·e^(a_j − α_i)·[v_j, 1],
 
     every factor ≤ 1, the denominator ≥ e^(−α_i), and each product Q̂K̂ at least its true value: exact
-    while every a_j ≤ FAST_EXCEEDANCE. Returns (out [B, H, L, Dv+1], max exceedance)."""
+    while every a_j ≤ FAST_EXCEEDANCE. Returns out [B, H, L, Dv+1]."""
     b, h, l, f = lq.shape
     c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(
         lq, sq, lk, sk, v1, anchor, chunk_size)
@@ -271,7 +271,7 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     scores = jnp.einsum("bhnif,bhnjf->bhnij", fq, fk) * jnp.exp(log_w)
     out = (jnp.exp(-alpha)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix)
            + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c))
-    return out.reshape(b, h, n * c, -1)[:, :, :l], jnp.max(jnp.where(valid_c, a, NEG_INF))
+    return out.reshape(b, h, n * c, -1)[:, :, :l]
 
 
 def _causal_exact(lq, sq, lk, sk, v1, anchor, block):
