@@ -50,6 +50,7 @@ def get_config(arg=None):
     c.model.vocab_size = vocab
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
     c.model.dtype = "float32"
+    c.model.init_from = ""             # uptraining: run:<workdir>, a checkpoint dir or hf:<dir>
     c.model.attention = configlib.attention(args.kind, num_features=16)
     c.optim = configlib.optim(lr=1e-4, schedule="constant", warmup_steps=10_000, weight_decay=0.0, b2=0.98, eps=1e-9)
 

@@ -38,6 +38,7 @@ def get_config(arg=None):
     c.model.pool, c.model.posemb = "mean", "sincos2d"
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
     c.model.dtype = "float32"
+    c.model.init_from = ""             # uptraining: run:<workdir>, a checkpoint dir or hf:<dir>
     c.model.attention = configlib.attention(args.kind, num_features=64)
     for key in KIND_OPTIONS:
         if args[key]:

@@ -1,6 +1,8 @@
 """Benchmarks: `python -m favor.bench attention [--lengths 512,1024] [--kinds favor+,softmax]` and
 `python -m favor.bench train --config configs/<file>.py[:args] --metric wer --target 0.5 [-- FLAGS]` and
-`python -m favor.bench parts [--length 8192]` (FAVOR+'s forward against the cost of its parts).
+`python -m favor.bench parts [--length 8192]` (FAVOR+'s forward against the cost of its parts) and
+`python -m favor.bench uptrain [--config configs/default.py]` (every kind started from a softmax run:
+favor/bench_uptrain.py).
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not): to exact softmax attention, and to a plain matmul
@@ -294,7 +296,12 @@ def main(argv=None):
     p.add_argument("--out", default=".")
     p.add_argument("--section", default="attention-benchmark",
                    help="BENCHMARKS.md section (and bench/<section>.json) this run replaces")
+    from favor import bench_uptrain
+    bench_uptrain.add_parser(sub)
     args = parser.parse_args(argv_main)
+    if args.what == "uptrain":
+        bench_uptrain.main(args, flags, argv)
+        return
     if args.what == "parts":
         runtime.keep_host_pages()
         rows, yard, flops = parts(args.length, args.repeats)

@@ -77,6 +77,9 @@ def run_config(*, total_steps: int, batch_size: int, eval_batch_size: int, every
     c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
     c.sharding_rules = dict(DEFAULT_RULES)
     c.prefetch = 2                     # host batches read ahead on a thread (0: read in the loop)
+    # a run that starts from another model's parameters (model.init_from) may first train the model
+    # around its attention to imitate that model's softmax attention (favor.transfer)
+    c.uptrain = {"transfer_steps": 0, "trainable": "query_key", "lr": 1e-3}
     return c
 
 
@@ -259,6 +262,7 @@ def validate(config) -> None:
                                                                 f"(batch_size / {dp} devices = {per_device})")
 
     _validate_model(config)
+    _validate_uptrain(config)
     from favor import data, tasks
     for key, module in (("data", data), ("task", tasks)):
         name = dict(config[key]).get("name")
@@ -321,13 +325,11 @@ def _validate_model(config) -> None:
         raise ConfigError(key, options[alone[0]] if alone else block, str(e)) from None
     spec = str(m.get("init_from", "") or "")
     if spec:
-        kind_, _, path = spec.partition(":")
-        if kind_ != "hf" or not path:
-            raise ConfigError("model.init_from", spec, "must be '' (fresh weights) or 'hf:<Hugging Face model "
-                                                       "directory>'")
-        if not Path(path).expanduser().is_dir():
-            raise ConfigError("model.init_from", spec, f"{path} is not a directory (a Hugging Face model "
-                                                       f"directory with config.json)")
+        from favor import uptrain
+        try:
+            uptrain.parse(spec)
+        except ValueError as e:
+            raise ConfigError("model.init_from", spec, f"must be '' (fresh weights) or name a source: {e}") from None
     d = m.to_dict()
     name, preset = d.pop("name", None), d.pop("preset", "tiny")
     d.pop("init_from", None)
@@ -346,6 +348,29 @@ def _validate_model(config) -> None:
         models.config(name, preset, **d)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError("model", f"{name}/{preset}", str(e)) from None
+
+
+def _validate_uptrain(config) -> None:
+    if "uptrain" not in config:
+        return
+    _int(config, "uptrain.transfer_steps", 0)
+    steps = config.uptrain.transfer_steps
+    if steps and not config.model.get("init_from"):
+        raise ConfigError("uptrain.transfer_steps", steps, "needs model.init_from (the transfer stage's teacher "
+                                                           "is the model the run starts from); 0 without one")
+    if steps > config.total_steps:
+        raise ConfigError("uptrain.transfer_steps", steps, f"must be at most total_steps ({config.total_steps})")
+    if steps and config.model.attention.kind == "softmax":
+        raise ConfigError("uptrain.transfer_steps", steps, "a softmax model is its own teacher: 0 for attention "
+                                                           "kind softmax")
+    _number(config, "uptrain.lr", lambda v: v > 0, "a positive number")
+    pattern = get(config, "uptrain.trainable")
+    import re
+    try:
+        re.compile(str(pattern))
+    except re.error as e:
+        raise ConfigError("uptrain.trainable", pattern, f"must be 'query_key', 'all' or a regular expression over "
+                                                       f"parameter paths ({e})") from None
 
 
 def _fails(attention_lib, kind, key, value) -> bool:

@@ -28,7 +28,7 @@ import optax
 from clu import periodic_actions
 from flax import nnx
 
-from favor import checkpoint, configlib, data, models, optim, sharding, tasks
+from favor import checkpoint, configlib, data, models, optim, sharding, tasks, transfer, uptrain
 from favor.attention import schedule
 from favor.configlib import attention_options
 from favor.data.prefetch import prefetch
@@ -68,26 +68,6 @@ def model_builder(config):
     return build, full
 
 
-def warm_start(config, abstract_params, shardings):
-    """Parameters from a Hugging Face checkpoint (`model.init_from = "hf:<dir>"`): uptraining a softmax
-    BERT/ViT as a FAVOR model. The checkpoint's architecture must match the config's model."""
-    spec = str(config.model.init_from)
-    kind, _, path = spec.partition(":")
-    if kind != "hf" or not path:
-        raise ValueError(f"model.init_from {spec!r}: expected 'hf:<Hugging Face model directory>'")
-    shared = ("head", "num_labels", "num_classes", "dropout", "attention_dropout", "dtype")
-    keep = {k: v for k, v in config.model.to_dict().items() if k in shared}
-    loaded = models.hf.load(path, attention=attention_options(config.model.attention), **keep)
-    params = nnx.state(loaded, nnx.Param)
-    want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), abstract_params)
-    got = jax.tree.map(lambda a: (a.shape, str(a.dtype)), params)
-    if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
-        raise ValueError(f"model.init_from {path}: the checkpoint's model differs from config.model "
-                         f"(set the config's sizes to the checkpoint's config.json)")
-    log.info("warm start from %s", path)
-    return jax.device_put(params, shardings)
-
-
 def redraw_schedule(config) -> schedule.Redraw:
     return schedule.parse(config.model.attention.get("redraw", "step"))
 
@@ -114,10 +94,16 @@ def build_source(config):
 
 
 # -- the step functions ------------------------------------------------------------------------------
-def init_state(model, tx) -> dict:
+def init_state(model, tx, transfer_tx=None) -> dict:
+    """The train state of a fresh `model`; with `transfer_tx` (an attention-transfer stage) also the
+    frozen teacher parameters (set to the source's when the run starts from one) and that stage's
+    optimizer state."""
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
-            "opt_state": tx.init(params), "bad_step": jnp.full((), -1, jnp.int32)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
+             "opt_state": tx.init(params), "bad_step": jnp.full((), -1, jnp.int32)}
+    if transfer_tx is not None:
+        state.update(teacher=params, transfer_opt_state=transfer_tx.init(params))
+    return state
 
 
 def loss_fn(params, rest, batch, *, graphdef, task):
@@ -164,6 +150,19 @@ def _all_finite(tree):
     return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def apply_if_finite(state, loss, grads, **updated):
+    """`state` with the entries of `updated` and the step advanced, when the loss, the gradients and the
+    new parameters are finite; otherwise `state` as it was (step advanced) and `bad_step` set to the
+    first such step."""
+    step = state["step"]
+    finite = jnp.isfinite(loss) & _all_finite(grads) & _all_finite(updated["params"])   # params: a bad lr
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = dict(state, step=step + 1, bad_step=jnp.where(~finite & (state["bad_step"] < 0), step,
+                                                               state["bad_step"]))
+    new_state.update({k: keep(v, state[k]) for k, v in updated.items()})
+    return new_state
+
+
 def train_step(state, batch, *, graphdef, task, tx, lr_schedule, redraw: schedule.Redraw | None = None,
                features_base=None, accumulate: int = 1):
     """One optimizer step: (new state, metrics). `redraw` (with `features_base`, the ω stream's key):
@@ -176,11 +175,7 @@ def train_step(state, batch, *, graphdef, task, tx, lr_schedule, redraw: schedul
                                            batch, accumulate)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    finite = jnp.isfinite(loss) & _all_finite(grads) & _all_finite(params)   # params: a bad lr shows there
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = {"step": step + 1, "params": keep(params, state["params"]), "rest": keep(rest, state["rest"]),
-                 "opt_state": keep(opt_state, state["opt_state"]),
-                 "bad_step": jnp.where(~finite & (state["bad_step"] < 0), step, state["bad_step"])}
+    new_state = apply_if_finite(state, loss, grads, params=params, rest=rest, opt_state=opt_state)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=lr_schedule(step))
     return new_state, metrics
 
@@ -206,7 +201,9 @@ class Model:
     abstract: dict                 # the train state's shapes and dtypes
     logical: Any                   # the parameters' logical axis names
     tx: optax.GradientTransformation
-    lr_schedule: Callable
+    lr_schedule: Callable          # of the run's step (the main stage starts after the transfer stage)
+    transfer_tx: optax.GradientTransformation | None = None    # the attention-transfer stage, if any
+    teacher: Any = None            # (graphdef, rest) of the softmax twin, with a transfer stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,10 +242,27 @@ def make_model(config, source) -> Model:
                          f"{needed} pieces; set --config.model.vocab_size={needed} (or larger)")
     abstract_model = nnx.eval_shape(build)
     graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-    tx, lr_schedule = optim.make(config.optim, int(config.total_steps), params=abs_params,
-                                 num_layers=model_cfg["num_layers"])
-    init = lambda: init_state(build(), tx)
-    return Model(graphdef, init, jax.eval_shape(init), models.logical_axes(abstract_model), tx, lr_schedule)
+    stage = transfer_steps(config)
+    tx, schedule_ = optim.make(config.optim, max(int(config.total_steps) - stage, 1), params=abs_params,
+                               num_layers=model_cfg["num_layers"])
+    lr_schedule = schedule_ if not stage else (lambda step: schedule_(jnp.maximum(step - stage, 0)))
+    transfer_tx = teacher = None
+    if stage:
+        mask = uptrain.trainable_mask(abs_params, str(config.uptrain.trainable))
+        if not any(jax.tree.leaves(mask)):
+            raise ValueError(f"config.uptrain.trainable={config.uptrain.trainable!r} selects no parameter")
+        transfer_tx = transfer.optimizer(config.uptrain, mask)
+        softmax = config.copy_and_resolve_references()
+        with softmax.unlocked():
+            softmax.model.attention = {"kind": "softmax"}
+        teacher = transfer.teacher_of(model_builder(softmax)[0])
+    init = lambda: init_state(build(), tx, transfer_tx)
+    return Model(graphdef, init, jax.eval_shape(init), models.logical_axes(abstract_model), tx, lr_schedule,
+                 transfer_tx, teacher)
+
+
+def transfer_steps(config) -> int:
+    return int(config.get("uptrain", {}).get("transfer_steps", 0) or 0)
 
 
 def make_layout(model: Model, mesh, rules, source) -> Layout:
@@ -258,6 +272,11 @@ def make_layout(model: Model, mesh, rules, source) -> Layout:
                                    transform_non_params=lambda _: rep)
     state_sh = {"step": rep, "params": param_sh, "rest": jax.tree.map(lambda _: rep, model.abstract["rest"]),
                 "opt_state": opt_sh, "bad_step": rep}
+    if model.transfer_tx is not None:
+        state_sh["teacher"] = param_sh
+        state_sh["transfer_opt_state"] = optax.tree_map_params(
+            model.transfer_tx, lambda _, s: s, model.abstract["transfer_opt_state"], param_sh,
+            transform_non_params=lambda _: rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, state_sh)
     return Layout(mesh, state_sh, abstract, bool(getattr(source, "host_dependent_shapes", False)))
 
@@ -270,14 +289,27 @@ def make_train_step(config, model: Model, task, layout: Layout):
                    donate_argnums=0)
 
 
+def make_transfer_step(config, model: Model, task, layout: Layout):
+    """The attention-transfer stage's step (None without one)."""
+    if model.transfer_tx is None:
+        return None
+    step = partial(transfer.transfer_step, graphdef=model.graphdef, teacher=model.teacher, task=task,
+                   tx=model.transfer_tx, redraw=redraw_schedule(config), features_base=features_base(config))
+    return jax.jit(step, in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, layout.replicated),
+                   donate_argnums=0)
+
+
 def restore_or_init(config, workdir: Path, model: Model, layout: Layout):
     """(checkpointer, state, start step): the newest whole checkpoint, else a fresh (or warm) state."""
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=int(config.keep_checkpoints))
     restored = ckpt.restore_latest(layout.abstract)
     if restored is None:
         state = jax.jit(model.init, out_shardings=layout.state)()
-        if config.model.get("init_from"):
-            state["params"] = warm_start(config, layout.abstract["params"], layout.state["params"])
+        if config.model.get("init_from"):     # only here: a resumed run continues from its own checkpoints
+            source = uptrain.parse(config.model.init_from)
+            state["params"] = uptrain.load_params(config, source, state["params"], layout.state["params"])
+            if "teacher" in state:
+                state["teacher"] = jax.tree.map(jnp.copy, state["params"])
         return ckpt, state, 0
     state, meta, start = restored
     log.info("resumed from step %d (%s)", start, ckpt.directory)
@@ -286,12 +318,17 @@ def restore_or_init(config, workdir: Path, model: Model, layout: Layout):
     return ckpt, state, start
 
 
+def eval_features_fn(config, model: Model):
+    """(params, rest) -> rest with the ω every evaluation of the run uses; None when ω is never redrawn."""
+    if not redraw_schedule(config).redraws:
+        return None
+    key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), EVAL_FEATURES_STREAM)
+    return jax.jit(partial(with_features, graphdef=model.graphdef, key=key))
+
+
 def make_evaluate(config, model: Model, task, source, layout: Layout) -> Callable[[dict], dict]:
     """state -> the task's metrics on the whole eval split, with one fixed ω for every evaluation of a run."""
-    features_fn = None
-    if redraw_schedule(config).redraws:
-        key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), EVAL_FEATURES_STREAM)
-        features_fn = jax.jit(partial(with_features, graphdef=model.graphdef, key=key))
+    features_fn = eval_features_fn(config, model)
     # outputs replicated: every host gets the whole batch's outputs (per-example predictions included),
     # so the host-side metrics (GLUE F1, WER) see the full split on any number of processes
     step_fn = jax.jit(partial(eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
@@ -299,6 +336,21 @@ def make_evaluate(config, model: Model, task, source, layout: Layout) -> Callabl
     def run_eval(state):
         batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
         return evaluate(state, batches, step_fn=step_fn, finalize=task.finalize, features_fn=features_fn)
+    return run_eval
+
+
+def make_transfer_eval(config, model: Model, task, source, layout: Layout):
+    """state -> per-layer attention MSE against the softmax teacher on the eval split (None without a
+    transfer stage)."""
+    if model.transfer_tx is None:
+        return None
+    features_fn = eval_features_fn(config, model)
+    step_fn = jax.jit(partial(transfer.layer_errors, graphdef=model.graphdef, teacher=model.teacher, task=task),
+                      out_shardings=layout.replicated)
+
+    def run_eval(state):
+        batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
+        return transfer.eval_errors(state, batches, step_fn=step_fn, features_fn=features_fn)
     return run_eval
 
 
@@ -347,18 +399,41 @@ def preemption():
 
 
 def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn, ckpt, source, layout: Layout,
-               t_start: float) -> Summary:
+               t_start: float, transfer_fn=None, transfer_eval_fn=None) -> Summary:
+    """The steps from `start` to total_steps: the attention-transfer stage's (`transfer_fn`) first
+    when there is one, then `step_fn`'s; logs, evals, checkpoints, SIGTERM. A run that starts from
+    another model's parameters evaluates them first (step 0)."""
     from clu import metric_writers
     total, log_every, batch_size = int(config.total_steps), int(config.log_every), int(config.batch_size)
     writer = metric_writers.create_default_writer(str(workdir / "tensorboard"), just_logging=jax.process_index() > 0)
     progress = Progress(num_train_steps=total, every_steps=log_every, writer=writer)
     batches = prefetch(source.train_batches(batch_size, start, int(config.seed)), int(config.get("prefetch", 2)))
-    history = {"train_loss": None, "steps_per_second": None, "losses": [], "evals": []}
+    history = {"train_loss": None, "steps_per_second": None, "losses": [], "evals": [], "attention_mse": {}}
     eval_metrics = {}
+    stage = transfer_steps(config)
+
+    def record_eval(step):
+        metrics = evaluate_fn(state)
+        history["evals"].append({"step": step, "seconds": time.perf_counter() - t_start, **metrics})
+        writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        log.info("step %d eval %s", step, metrics)
+        return metrics
+
+    def record_attention_mse(step):
+        errors = transfer_eval_fn(state)
+        history["attention_mse"][str(step)] = errors
+        writer.write_scalars(step, {f"transfer/eval_mse_layer_{i}": e for i, e in enumerate(errors)})
+        log.info("step %d attention MSE against softmax, per layer: %s", step, ", ".join(f"{e:.4g}" for e in errors))
+
+    if start == 0 and config.model.get("init_from"):     # day 0: the source's parameters with this kind
+        eval_metrics = record_eval(0)
+    if transfer_eval_fn is not None and start == 0:
+        record_attention_mse(0)
     with preemption() as stop:
         try:
             for step in range(start, total):
-                state, metrics = step_fn(state, layout.global_batch(next(batches)))
+                fn = transfer_fn if step < stage else step_fn
+                state, metrics = fn(state, layout.global_batch(next(batches)))
                 done = step + 1
                 last = done == total
                 logging_step = done % log_every == 0 or last or stop.is_set()
@@ -375,13 +450,12 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                     history["losses"].append((done, m["loss"]))
                     speed = "" if rate is None else f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s"
                     log.info("step %d/%d: loss %.4f%s", done, total, m["loss"], speed)
+                if transfer_eval_fn is not None and done == stage:
+                    record_attention_mse(done)
                 if done % int(config.eval_every) == 0 or last:
                     # no dispatch barrier: evaluate ends by fetching its outputs, so its time is whole
                     with progress.timed("eval", wait_jax_async_dispatch=False):
-                        eval_metrics = evaluate_fn(state)
-                    history["evals"].append({"step": done, "seconds": time.perf_counter() - t_start, **eval_metrics})
-                    writer.write_scalars(done, {f"eval/{k}": v for k, v in eval_metrics.items()})
-                    log.info("step %d eval %s", done, eval_metrics)
+                        eval_metrics = record_eval(done)
                 if done % int(config.checkpoint_every) == 0 or last or stop.is_set():
                     save(ckpt, state, done, config)
                 if stop.is_set():
@@ -400,6 +474,8 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                        "checkpoint_dir": str(ckpt.directory),
                        "tensorboard_dir": str((workdir / "tensorboard").absolute()), "preempted": stop.is_set(),
                        "train_loss_history": history["losses"], "eval_history": history["evals"]})
+    if history["attention_mse"]:
+        summary["attention_mse"] = history["attention_mse"]
     summary.state = state
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -415,11 +491,27 @@ def run(config, workdir) -> Summary:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = sharding.make_mesh(config.mesh)
+    config = with_tokenizer(config, workdir)
     source, task = make_data(config)
+    uptrain.record_tokenizer(source, workdir)
     model = make_model(config, source)
     layout = make_layout(model, mesh, config.sharding_rules, source)
     step_fn = make_train_step(config, model, task, layout)
     ckpt, state, start = restore_or_init(config, workdir, model, layout)
     evaluate_fn = make_evaluate(config, model, task, source, layout)
     return train_loop(config, workdir, state, start, step_fn=step_fn, evaluate_fn=evaluate_fn, ckpt=ckpt,
-                      source=source, layout=layout, t_start=t_start)
+                      source=source, layout=layout, t_start=t_start,
+                      transfer_fn=make_transfer_step(config, model, task, layout),
+                      transfer_eval_fn=make_transfer_eval(config, model, task, source, layout))
+
+
+def with_tokenizer(config, workdir: Path):
+    """`config`, with `data.tokenizer` set when it is empty and the run has a recorded tokenizer (its own,
+    resumed) or starts from a model that has one (favor.uptrain.tokenizer_spec)."""
+    spec = uptrain.tokenizer_spec(config, workdir)
+    if not spec:
+        return config
+    log.info("tokenizer: %s (%s)", spec, "this run's own" if str(workdir.absolute()) in spec else "the source model's")
+    config = config.copy_and_resolve_references()
+    config.data.tokenizer = spec
+    return config

@@ -38,9 +38,9 @@ def test_warm_start_from_hugging_face_bert(vocab, tmp_path):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
-    ref = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1,
-                                                   num_attention_heads=2, intermediate_size=48,
-                                                   max_position_embeddings=64, num_labels=2))
+    ref = BertForSequenceClassification(BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=64,
+                                                   max_position_embeddings=32, num_labels=2))
     ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
     config = bert_glue.get_config(f"task=sst2,vocab={vocab},runlocal")
     config.model.init_from = f"hf:{tmp_path / 'hf'}"
@@ -52,5 +52,5 @@ def test_warm_start_from_hugging_face_bert(vocab, tmp_path):
     np.testing.assert_allclose(w, ref.bert.encoder.layer[0].attention.self.query.weight.detach().numpy().T, atol=1e-6)
     config.model.init_from = "bert-base-uncased"
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
-        with pytest.raises(ValueError, match="must be '' .fresh weights. or 'hf:<Hugging Face model directory>'"):
+        with pytest.raises(ValueError, match="must be '' .fresh weights. or name a source: expected 'run:<workdir>'"):
             trainer.run(config, tmp_path / "bad")

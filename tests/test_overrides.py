@@ -76,10 +76,10 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, all
     assert allowed in str(e.value)
 
 
-def test_init_from_must_be_a_hugging_face_directory(tmp_path, eight_devices):
+def test_init_from_must_name_a_source(tmp_path, eight_devices):
     from configs import bert_glue
     config = bert_glue.get_config("task=sst2,runlocal")
-    for spec, allowed in (("bert-base-uncased", "must be '' (fresh weights) or 'hf:<Hugging Face model directory>'"),
+    for spec, allowed in (("bert-base-uncased", "must be '' (fresh weights) or name a source: expected 'run:<workdir>'"),
                           (f"hf:{tmp_path / 'missing'}", "is not a directory")):
         config.model.init_from = spec
         with pytest.raises(configlib.ConfigError, match="config.model.init_from=") as e:

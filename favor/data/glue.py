@@ -58,6 +58,10 @@ class Glue(ArraySource):
         self.buckets = sorted({int(b) for b in buckets if int(b) <= self.max_length} | {self.max_length})
         self.regression = FIELDS[task][2]
         self.num_labels = NUM_LABELS.get(task, 2)
+        if not tokenizer:
+            raise ValueError("data.tokenizer is empty: give wordpiece:<vocab.txt> (a BERT checkpoint's) or "
+                             "sentencepiece:<model>, or start from a model that brings one: model.init_from="
+                             "run:<a favor run> (the tokenizer its run recorded) or hf:<dir with vocab.txt>")
         self.tokenizer = tokenizers.get(tokenizer)
         self.train = self._encode(load_split(f"glue/{task}", "train", data_dir), max_examples)
         self.eval = self._encode(load_split(f"glue/{task}", eval_split, data_dir), max_examples)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from favor.data.atomic import unique_tag
+from favor.data.atomic import copy_file, unique_tag
 
 KINDS = ("wordpiece", "sentencepiece")
 
@@ -29,6 +29,10 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def ids(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens."""
+
+    @abc.abstractmethod
+    def save(self, directory) -> str:
+        """Copy the tokenizer's files into `directory`; its spec there, relative to `directory`."""
 
     def encode(self, first: list[str], second: list[str] | None, max_length: int):
         """(input_ids, token_type_ids, attention_mask), each [N, max_length] int32 (padded)."""
@@ -59,6 +63,7 @@ class WordPiece(Tokenizer):
         vocab_file = Path(vocab_file)
         if not vocab_file.exists():
             raise FileNotFoundError(f"WordPiece vocabulary {vocab_file} does not exist (a BERT checkpoint's vocab.txt)")
+        self.vocab_file, self.lowercase = vocab_file, lowercase
         self.tok = BertWordPieceTokenizer(str(vocab_file), lowercase=lowercase)
         vocab = self.tok.get_vocab()
         for name in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"):
@@ -70,6 +75,10 @@ class WordPiece(Tokenizer):
     def ids(self, texts):
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    def save(self, directory) -> str:
+        copy_file(self.vocab_file, Path(directory) / "vocab.txt")
+        return "wordpiece:vocab.txt" + ("" if self.lowercase else ":cased")
+
 
 class SentencePiece(Tokenizer):
     """A sentencepiece model trained by favor, with pieces [CLS] [SEP] [MASK] as user symbols and
@@ -79,6 +88,7 @@ class SentencePiece(Tokenizer):
         import sentencepiece as spm
         if not Path(model_file).exists():
             raise FileNotFoundError(f"sentencepiece model {model_file} does not exist")
+        self.model_file = Path(model_file)
         self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
         piece = self.sp.piece_to_id
         self.cls_id, self.sep_id, self.mask_id = piece("[CLS]"), piece("[SEP]"), piece("[MASK]")
@@ -89,6 +99,10 @@ class SentencePiece(Tokenizer):
 
     def ids(self, texts):
         return self.sp.encode(list(texts))
+
+    def save(self, directory) -> str:
+        copy_file(self.model_file, Path(directory) / "sentencepiece.model")
+        return "sentencepiece:sentencepiece.model"
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])

@@ -364,4 +364,5 @@ class SDERF(ExponentialMechanism):
         cross = m.mean_x[..., :, None] * m.mean_y[..., None, :]
         n = m.second_x + m.second_y + cross + _mT(cross)
         lam, u = stats.eigh(n)
+        u = stats.canonical_signs(u)     # the rotation ω meets: the same on every eigensolver
         return u, u, stats.optimal_a(lam, 1)

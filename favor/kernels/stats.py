@@ -131,6 +131,19 @@ def _eigh_jvp(primals, tangents):
     return (w, v), (dw, v @ (inv_gap * inner))
 
 
+def canonical_signs(u):
+    """Eigenvectors (columns of `u`) each flipped so its largest-magnitude entry is positive.
+
+    An eigenvector's sign is arbitrary and eigensolvers choose differently (LAPACK and XLA's own, a jit
+    and an eager call of the same model): where the eigenvectors rotate the data that random features
+    then project (SDERF's T = U), a flip is a different draw. Both draws are valid, but the estimate would
+    change with the backend; with fixed signs it does not (for distinct eigenvalues). The flip is a
+    constant for the derivative (stop_gradient), which is exact: the sign is piecewise constant."""
+    idx = jnp.argmax(jnp.abs(u), axis=-2, keepdims=True)
+    sign = jnp.sign(jnp.take_along_axis(u, idx, axis=-2))
+    return u * jax.lax.stop_gradient(jnp.where(sign == 0, 1.0, sign).astype(u.dtype))
+
+
 def sym_sqrt_and_inv(m, eps=1e-6):
     """M^(1/2) and M^(-1/2) of a symmetric PSD matrix via eigh, eigenvalues floored at eps·tr/d.
 

@@ -120,6 +120,8 @@ class SelfAttention(nnx.Module):
             self.fit_stats = FitStatistics(self.kind.statistics(empty, empty, none, none))
         else:
             self.fit_stats = None
+        # attention transfer (favor.transfer): a teacher's layers sow (input, mask, output) when set
+        self.record = False
 
     def redraw(self, key):
         if self.features is not None:
@@ -146,7 +148,10 @@ class SelfAttention(nnx.Module):
                 self.fit_stats.set_value(self.kind.update_statistics(stats, q, k, key_mask, query_mask))
         out = self.kind(q, k, v, mask=key_mask, causal=self.causal, draw=draw, query_mask=query_mask,
                         stats=stats)
-        return self.out(out.reshape(b, l, self.heads * self.head_dim).astype(x.dtype))
+        result = self.out(out.reshape(b, l, self.heads * self.head_dim).astype(x.dtype))
+        if self.record:
+            self.sow(nnx.Intermediate, "transfer", (x, mask, positions, result))
+        return result
 
 
 class Mlp(nnx.Module):

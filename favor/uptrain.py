@@ -1,0 +1,318 @@
+"""Where an uptraining run's parameters come from: `config.model.init_from`.
+
+    run:<workdir>          the newest whole checkpoint of a favor run (any attention kind)
+    run:<workdir>@<step>   that step of it
+    <dir>                  a favor checkpoint directory: <workdir>/checkpoints, or one step in it
+    hf:<dir>               a Hugging Face BERT/ViT directory (config.json + safetensors)
+
+Parameters only: the optimizer starts fresh and the random features are drawn for the new kind (the
+model's own init draws them). The source run's config comes from its checkpoint metadata; a parameter
+whose shape differs from the new model's is an error naming its path and both shapes (and the source's
+model sizes to set). A parameter the source lacks is kept fresh only when it is a task head (a GLUE
+classifier on an MLM model, or one for another number of labels), named in a log line; any other is an
+error. Source parameters the new model does not take (the MLM head when fine-tuning on GLUE) are left
+out, also named.
+
+The tokenizer travels with the model: a run records the tokenizer its data source used in
+`<workdir>/tokenizer/` (`record_tokenizer`), and a run whose `init_from` is a favor run, with no
+`data.tokenizer` of its own, encodes text with that one (`tokenizer_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger("favor.train")
+
+FORMS = ("'run:<workdir>' (its newest whole checkpoint), 'run:<workdir>@<step>', a favor checkpoint directory "
+         "(<workdir>/checkpoints or one step in it), or 'hf:<Hugging Face model directory>'")
+HEAD_PREFIXES = ("head", "classifier", "mlm_", "pooler", "ctc")   # task heads a new task may add fresh
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    spec: str
+    kind: str                       # "run" (a favor checkpoint) or "hf"
+    path: Path                      # run: the checkpoints directory; hf: the model directory
+    step: int | None = None         # run: the step asked for (None: the newest whole one)
+    workdir: Path | None = None     # run: the source run's workdir (its recorded tokenizer), when known
+
+
+def parse(spec: str) -> Source:
+    """The source `spec` names; a ValueError that says which forms are allowed when it names none."""
+    spec = str(spec)
+    kind, sep, rest = spec.partition(":")
+    if sep and kind == "hf":
+        path = Path(rest).expanduser()
+        if not rest or not path.is_dir():
+            raise ValueError(f"{rest or '(empty)'} is not a directory (a Hugging Face model directory with "
+                             f"config.json); expected {FORMS}")
+        return Source(spec, "hf", path)
+    if sep and kind == "run":
+        where, at, step = rest.rpartition("@") if "@" in rest else (rest, "", "")
+        if at and not step.isdigit():
+            raise ValueError(f"step {step!r} after '@' is not a number; expected {FORMS}")
+        workdir = Path(where).expanduser()
+        if not (workdir / "checkpoints").is_dir():
+            raise ValueError(f"{workdir} is not a favor run directory (it has no checkpoints/); expected {FORMS}")
+        return Source(spec, "run", workdir / "checkpoints", int(step) if at else None, workdir)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "checkpoints").is_dir():
+            return Source(spec, "run", path / "checkpoints", None, path)
+        if _is_step_dir(path):
+            return Source(spec, "run", path.parent, int(path.name), _workdir_of(path.parent))
+        if any(_is_step_dir(p) for p in path.iterdir()):
+            return Source(spec, "run", path, None, _workdir_of(path))
+        if (path / "config.json").exists():
+            raise ValueError(f"{path} looks like a Hugging Face model directory: write 'hf:{spec}'")
+    raise ValueError(f"expected {FORMS}")
+
+
+def _is_step_dir(p: Path) -> bool:
+    return p.name.isdigit() and (p / "state").is_dir() and (p / "meta").is_dir()
+
+
+def _workdir_of(checkpoints: Path) -> Path | None:
+    return checkpoints.parent if checkpoints.name == "checkpoints" else None
+
+
+# -- reading a favor checkpoint ------------------------------------------------------------------------
+def _dotted(path) -> str:
+    """'layers.0.attention.query.kernel' for a pytree key path (an nnx.State's or a checkpoint's tree,
+    where every Variable is saved as {'value': array})."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if parts and parts[-1] == "value":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _flat(tree) -> dict:
+    return {_dotted(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """One step of a favor run's checkpoints: its metadata and the shapes of its parameters."""
+    directory: Path
+    step: int
+    meta: dict
+    param_shapes: dict              # dotted path -> (shape, dtype)
+
+    @property
+    def config(self) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(json.loads(self.meta["config"]))
+
+
+def _steps(checkpoints: Path) -> list[int]:
+    return sorted(int(p.name) for p in checkpoints.iterdir() if _is_step_dir(p)) if checkpoints.is_dir() else []
+
+
+def _open(checkpoints: Path, step: int) -> Checkpoint:
+    d = checkpoints / str(step)
+    meta = json.loads((d / "meta" / "metadata").read_text())
+    tree = ocp.StandardCheckpointer().metadata(d / "state").item_metadata
+    tree = getattr(tree, "tree", tree)
+    shapes = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _flat(tree["params"]).items()}
+    return Checkpoint(d, step, meta, shapes)
+
+
+def _fingerprint_holds(restored, saved) -> bool:
+    """Every restored leaf's fingerprint (as trainer checkpoints record one per numeric leaf of the whole
+    state) is among the saved ones: a damaged parameter file changes its sums."""
+    from favor.checkpoint import fingerprint
+    got = np.asarray(jax.device_get(fingerprint(restored)), np.float64)
+    saved = np.asarray(saved, np.float64)
+    return len(saved) > 0 and all(np.any(np.isclose(saved, g, rtol=1e-5, atol=1e-6)) for g in got)
+
+
+def open_checkpoint(source: Source) -> Checkpoint:
+    """The step `source` names (the newest one with readable metadata when it names none)."""
+    steps = _steps(source.path)
+    if not steps:
+        raise ValueError(f"model.init_from {source.spec!r}: {source.path} holds no checkpoint steps")
+    if source.step is not None and source.step not in steps:
+        raise ValueError(f"model.init_from {source.spec!r}: no step {source.step} in {source.path}; it has "
+                         f"{', '.join(map(str, steps))}")
+    for step in [source.step] if source.step is not None else reversed(steps):
+        try:
+            return _open(source.path, step)
+        except Exception as e:       # an unreadable newest step: the previous one, as resuming does
+            if source.step is not None:
+                raise ValueError(f"model.init_from {source.spec!r}: step {step} is unreadable ({e})") from None
+            log.warning("init_from: step %d of %s is unreadable (%s); trying the previous one", step, source.path, e)
+    raise ValueError(f"model.init_from {source.spec!r}: no readable checkpoint in {source.path}")
+
+
+MODEL_SIZE_KEYS = ("preset", "hidden", "num_layers", "heads", "mlp_dim", "vocab_size", "max_positions",
+                   "type_vocab_size", "image_size", "patch_size", "channels", "num_classes", "num_labels")
+
+
+def _sizes_hint(source_config, config) -> str:
+    src, new = source_config.get("model", {}), config.model
+    diff = [f"--config.model.{k}={src[k]}" for k in MODEL_SIZE_KEYS if k in src and k in new and src[k] != new[k]]
+    return f" (the source's model: {' '.join(diff)})" if diff else ""
+
+
+def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str], list[str], list[str]]:
+    """(paths to load, fresh head paths, source paths left out) for source parameter shapes `have` and the
+    new model's `want` (dotted path -> (shape, dtype)); an error names the first path that cannot match."""
+    load, fresh = [], []
+    for path in sorted(want):
+        if path in have:
+            if have[path][0] != want[path][0] and path.startswith(HEAD_PREFIXES):
+                fresh.append(path)        # a head for another label set (GLUE task → task): a new head
+            elif have[path][0] != want[path][0]:
+                raise ValueError(f"model.init_from {spec!r}: parameter {path} has shape {have[path][0]} in the "
+                                 f"source and {want[path][0]} in this config's model{hint}")
+            load.append(path)
+        elif path.startswith(HEAD_PREFIXES):
+            fresh.append(path)
+        else:
+            raise ValueError(f"model.init_from {spec!r}: this config's model has parameter {path} "
+                             f"{want[path][0]}, which the source does not have{hint}")
+    if not load:
+        raise ValueError(f"model.init_from {spec!r}: no parameter of the source fits this config's model{hint}")
+    dropped = sorted(set(have) - set(load))
+    return load, fresh, dropped
+
+
+def load_params(config, source: Source, params, shardings):
+    """`params` (the new model's freshly initialised nnx.State of arrays) with every parameter the
+    source has put in place, restored straight into `shardings` (orbax partial restore: only the
+    parameters are read, never the optimizer state)."""
+    if source.kind == "hf":
+        return _load_hf(config, source, params, shardings)
+    ckpt = open_checkpoint(source)
+    src_config = ckpt.config
+    hint = _sizes_hint(src_config, config)
+    src_model, new_model = src_config.get("model", {}).get("name"), config.model.name
+    if src_model != new_model:
+        raise ValueError(f"model.init_from {source.spec!r}: the source is a {src_model} run; this config builds a "
+                         f"{new_model}")
+    want_flat, sh_flat = _flat(params), _flat(shardings)
+    want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in want_flat.items()}
+    load, fresh, dropped = match(ckpt.param_shapes, want, source.spec, hint)
+
+    tree = ocp.StandardCheckpointer().metadata(ckpt.directory / "state").item_metadata
+    tree = getattr(tree, "tree", tree)
+    wanted = set(load)
+
+    def target(path, leaf):
+        key = _dotted(path)
+        if key not in wanted:
+            return None
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), want[key][1], sharding=sh_flat[key])
+    item = {"params": _prune(jax.tree_util.tree_map_with_path(target, tree["params"]))}
+    restored = ocp.PyTreeCheckpointer().restore(
+        ckpt.directory / "state", args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    got = _flat(restored["params"])
+    if not _fingerprint_holds(list(got.values()), ckpt.meta.get("fingerprint", [])):
+        raise ValueError(f"model.init_from {source.spec!r}: the parameters of step {ckpt.step} do not match the "
+                         f"fingerprint saved with them (a damaged checkpoint); choose another step with '@<step>'")
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [got[_dotted(p)] if _dotted(p) in got else leaf for p, leaf in paths]
+    log.info("init_from %s: step %d of %s (a %s model with %s attention): %d parameters loaded", source.spec,
+             ckpt.step, source.path, src_model, src_config.model.attention.kind, len(load))
+    if fresh:
+        log.info("init_from: newly initialised (not in the source): %s", ", ".join(fresh))
+    if dropped:
+        log.info("init_from: source parameters this model does not have, left out: %s", ", ".join(dropped))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _prune(tree):
+    """`tree` without its None leaves and the dicts they leave empty (a partial-restore target)."""
+    if isinstance(tree, dict):
+        out = {k: _prune(v) for k, v in tree.items()}
+        return {k: v for k, v in out.items() if v is not None and v != {}}
+    if isinstance(tree, (list, tuple)):
+        return {str(i): v for i, v in enumerate(map(_prune, tree)) if v is not None and v != {}}
+    return tree
+
+
+def _load_hf(config, source: Source, params, shardings):
+    from favor import models
+    from favor.configlib import attention_options
+    shared = ("head", "num_labels", "num_classes", "dropout", "attention_dropout", "dtype")
+    keep = {k: v for k, v in config.model.to_dict().items() if k in shared}
+    loaded = models.hf.load(source.path, attention=attention_options(config.model.attention), **keep)
+    from flax import nnx
+    got = nnx.state(loaded, nnx.Param)
+    want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _flat(params).items()}
+    have = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _flat(got).items()}
+    match(have, want, source.spec, " (set the config's sizes to the checkpoint's config.json)")
+    log.info("init_from %s: a Hugging Face checkpoint", source.spec)
+    got_flat = _flat(got)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [jax.device_put(np.asarray(got_flat[_dotted(p)], leaf.dtype), s) if _dotted(p) in got_flat else leaf
+              for (p, leaf), s in zip(paths, jax.tree.leaves(shardings))]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# -- the tokenizer travels with the model -----------------------------------------------------------------
+def record_tokenizer(source, workdir: Path) -> None:
+    """Copy the tokenizer `source` (a data source) encodes with into `<workdir>/tokenizer/` with its
+    spec (tokenizer.json), so a run that starts from this one can encode text as it did. Process 0
+    writes; each file is renamed into place, so a reader finds whole files."""
+    tok = getattr(source, "tokenizer", None)
+    if tok is None or not hasattr(tok, "save") or jax.process_index() != 0:
+        return
+    from favor.data.atomic import write_text
+    directory = Path(workdir) / TOKENIZER_DIR
+    spec = tok.save(directory)
+    write_text(directory / "tokenizer.json", json.dumps({"spec": spec}))
+
+
+def recorded_tokenizer(workdir: Path | None) -> str | None:
+    """The tokenizer spec a run recorded in its workdir (absolute paths), or None."""
+    if workdir is None:
+        return None
+    f = Path(workdir) / TOKENIZER_DIR / "tokenizer.json"
+    if not f.exists():
+        return None
+    spec = json.loads(f.read_text())["spec"]
+    kind, _, rest = spec.partition(":")
+    return f"{kind}:{(f.parent / rest).absolute()}"
+
+
+def tokenizer_spec(config, workdir: Path) -> str | None:
+    """The tokenizer a run with an empty `data.tokenizer` uses: the one it recorded itself (a resumed
+    run), else its init_from run's, else (hf:) the checkpoint's vocab.txt; None when none applies."""
+    if "tokenizer" not in config.data or config.data.tokenizer:
+        return None
+    own = recorded_tokenizer(workdir)
+    if own:
+        return own
+    spec = str(config.model.get("init_from", "") or "")
+    if not spec:
+        return None
+    source = parse(spec)
+    if source.kind == "run":
+        found = recorded_tokenizer(source.workdir)
+        if found is None and source.workdir is not None:
+            # a run from before tokenizers were recorded: the tokenizer its config named, if any
+            ckpt = open_checkpoint(source)
+            found = str(ckpt.config.get("data", {}).get("tokenizer", "") or "") or None
+        return found
+    vocab = source.path / "vocab.txt"
+    return f"wordpiece:{vocab}" if vocab.exists() else None
+
+
+def trainable_mask(params, pattern: str):
+    """A bool per parameter leaf: does `pattern` ("query_key", "all", or a regular expression searched in
+    the dotted parameter path) select it."""
+    regex = {"query_key": r"attention\.(query|key)\.", "all": r""}.get(pattern, pattern)
+    compiled = re.compile(regex)
+    return jax.tree_util.tree_map_with_path(lambda p, _: bool(compiled.search(_dotted(p))), params)
