@@ -4,12 +4,37 @@ Tolerances are Z standard errors with Z = 5 and fixed seeds: deterministic, and 
 (a factor 2 in a variance, a missing weight) is many standard errors away.
 """
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+import os
+import shutil
+import tempfile
+
+# One persistent XLA compilation cache per test session, shared by the xdist workers (they inherit the
+# controller's environment) and by the train.py / bench subprocesses the tests start: a program that
+# several processes or tests build anew (every trainer.run re-jits its steps; each subprocess starts
+# cold; both workers compile the same small eager ops) is compiled once. An executable is reused only
+# for the identical program, devices and compile options (programs with host callbacks are never
+# stored), so every test runs exactly the computation it ran before. The session's directory is
+# removed at the end; an existing JAX_COMPILATION_CACHE_DIR is respected and left alone.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="favor-tests-xla-cache-")
+    os.environ["FAVOR_TESTS_OWN_XLA_CACHE"] = str(os.getpid())
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"      # small eager ops add up too
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("FAVOR_TESTS_OWN_XLA_CACHE") == str(os.getpid()):     # the process that made it
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
 
 Z = 5.0
 
