@@ -53,7 +53,7 @@ def parse(spec: str) -> Source:
     spec = str(spec)
     kind, sep, rest = spec.partition(":")
     if sep and kind == "hf":
-        path = Path(rest).expanduser()
+        path = Path(rest).expanduser().absolute()
         if not rest or not path.is_dir():
             raise ValueError(f"{rest or '(empty)'} is not a directory (a Hugging Face model directory with "
                              f"config.json); expected {FORMS}")
@@ -62,11 +62,11 @@ def parse(spec: str) -> Source:
         where, at, step = rest.rpartition("@") if "@" in rest else (rest, "", "")
         if at and not step.isdigit():
             raise ValueError(f"step {step!r} after '@' is not a number; expected {FORMS}")
-        workdir = Path(where).expanduser()
+        workdir = Path(where).expanduser().absolute()
         if not (workdir / "checkpoints").is_dir():
             raise ValueError(f"{workdir} is not a favor run directory (it has no checkpoints/); expected {FORMS}")
         return Source(spec, "run", workdir / "checkpoints", int(step) if at else None, workdir)
-    path = Path(spec).expanduser()
+    path = Path(spec).expanduser().absolute()
     if path.is_dir():
         if (path / "checkpoints").is_dir():
             return Source(spec, "run", path / "checkpoints", None, path)

@@ -149,6 +149,15 @@ def test_init_from_mismatches_and_bad_sources_are_clear_errors(softmax_run, tmp_
         with pytest.raises(configlib.ConfigError, match="config.model.init_from=") as e:
             configlib.validate(config)
         assert allowed in str(e.value)
+    # a relative path (as a user types it) reads the same checkpoint: orbax needs absolute paths
+    import os
+    here = os.getcwd()
+    try:
+        os.chdir(softmax_run.parent)
+        relative = uptrain.parse(f"run:{softmax_run.name}")
+        assert relative.path.is_absolute() and uptrain.open_checkpoint(relative).step == 48
+    finally:
+        os.chdir(here)
     # a favor checkpoint directory, the run's or one step's, names the same source
     for spec, step in ((str(softmax_run / "checkpoints"), None), (str(softmax_run / "checkpoints" / "24"), 24)):
         assert uptrain.parse(spec).step == step and uptrain.parse(spec).workdir == softmax_run
