@@ -110,7 +110,8 @@ def attention(kind: str, num_features: int, redraw: str = "step", **options) -> 
     by `attention_options`) and `coupling=""`, which means the kind's own coupling (orthogonal, or simplex
     for simrf): a locked config refuses to override a key it lacks, so the key must exist, but a value
     here would override every kind's own (an "orthogonal" here once made simrf run FAVOR+)."""
-    return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, **options}
+    return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, "window": 0,
+            **options}
 
 
 def attention_options(block) -> dict:

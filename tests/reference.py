@@ -113,11 +113,34 @@ def pair_terms(attn, q, k, ctx):
     return _sym_terms(lx, None, ly, None)
 
 
-def attention(attn, q, k, v, ctx, mask=None, causal=False):
+def with_window(terms, q, k, window, causal):
+    """The terms of the local-window hybrid: for pairs in the band (|i − j| ≤ w, causal i − w ≤ j ≤ i,
+    queries at the last positions) the one exact term exp(q_iᵀk_j/√D), every estimated term removed;
+    elsewhere the estimate's terms."""
+    lt, st = terms[:2]
+    lm = terms[2] if len(terms) > 2 else lt
+    d = q.shape[-1]
+    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
+    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    lq, lk = x.shape[2], y.shape[2]
+    rel = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + lk - lq)          # j − i in positions
+    band = (rel >= -window) & (rel <= (0 if causal else window))
+    exact = np.einsum("bhid,bhjd->bhij", x, y)[..., None]
+    pick = lambda on_band, off_band: np.concatenate(
+        [np.where(band[..., None], -np.inf, off_band), np.where(band[..., None], on_band, -np.inf)], -1)
+    lt2, lm2 = pick(exact, lt), pick(exact, lm)
+    st2 = None if st is None else np.concatenate([st, np.ones_like(exact)], -1)
+    return lt2, st2, lm2
+
+
+def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0):
     """(out [B, Lq, H, Dv], bound [B, Lq, H]): the float64 attention output of the estimator, and the
     size of a float rounding error relative to it, Σ|terms|·(|v| + |out|)/|den| (the ratio's condition;
-    for positive kinds ≈ 2·max|v|). Rows with no valid key output 0."""
+    for positive kinds ≈ 2·max|v|). Rows with no valid key output 0. `window` > 0: the local-window
+    hybrid (exact weights on the band)."""
     terms = pair_terms(attn, q, k, ctx)
+    if window:
+        terms = with_window(terms, q, k, window, causal)
     lt, st = terms[:2]
     lm = terms[2] if len(terms) > 2 else lt
     b, h, lq, lk, _ = lt.shape
@@ -139,3 +162,35 @@ def attention(attn, q, k, v, ctx, mask=None, causal=False):
     cond = (wabs @ np.abs(vv) + np.sum(wabs, -1)[..., None] * np.abs(out)) / np.where(den == 0, 1.0, np.abs(den))[..., None]
     cond = np.where(den[..., None] == 0, 0.0, cond)
     return np.swapaxes(out, 1, 2), np.swapaxes(np.max(cond, -1), 1, 2)
+
+
+def explicit_attention(attn, q, k, v, mask=None, causal=False, rng=None, stats=None, window=0):
+    """The attention a feature kind computes, as the explicit L×L weights in jax float64, for gradients:
+    W_ij = φ_q(i)ᵀφ_k(j) from the layer's own log-features and ω (exp(q_iᵀk_j/√D) on the window's
+    band), then W V / W 1 with a plain division. It shares the feature map with the code under test,
+    never its stabilisers, chunking, scans or guards: what its autodiff checks is the linear core's
+    backward pass. Call under jax.enable_x64."""
+    import jax
+    import jax.numpy as jnp
+    f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
+    ctx = attn.context(q, k, mask, rng, None, None, None, stats, causal) if hasattr(attn, "mech") else None
+    (lq, sq), (lk, sk) = attn.log_maps(q, k, ctx)
+    lq, sq, lk, sk = map(f64, (lq, sq, lk, sk))
+    fq = jnp.exp(lq) * (1.0 if sq is None else sq)
+    fk = jnp.exp(lk) * (1.0 if sk is None else sk)
+    w = jnp.einsum("bhif,bhjf->bhij", fq, fk)
+    l_q, l_k = q.shape[1], k.shape[1]
+    rel = jnp.arange(l_k)[None, :] - (jnp.arange(l_q)[:, None] + l_k - l_q)    # j − i in positions
+    if window:
+        x, y = map(f64, attn.scaled(q, k))
+        band = (rel >= -window) & (rel <= (0 if causal else window))
+        w = jnp.where(band, jnp.exp(jnp.einsum("bhid,bhjd->bhij", x, y)), w)
+    keep = jnp.ones((1, 1, l_q, l_k), bool)
+    if mask is not None:
+        keep = keep & jnp.asarray(mask, bool)[:, None, None, :]
+    if causal:
+        keep = keep & (rel <= 0)
+    w = jnp.where(keep, w, 0.0)
+    num, den = w @ jnp.swapaxes(f64(v), 1, 2), jnp.sum(w, -1, keepdims=True)
+    out = jnp.where(den != 0, num / jnp.where(den == 0, 1.0, den), 0.0)
+    return jnp.swapaxes(out, 1, 2)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from favor import kernels
-from favor.attention import linear, schedule
+from favor.attention import linear, schedule, window as window_lib
 from favor.kernels.base import pytree_dataclass
 
 def check_qkv(q, k, v, mask, query_mask=None):
@@ -223,10 +223,14 @@ class RandomFeatureAttention(FeatureAttention):
     (`mask`, `query_mask`; under stop_gradient unless fit_gradients=True), or from `stats` when given
     — always from `stats` in causal mode, where a fit on the sequence would read the future.
     `stats_momentum` is the running-average momentum of the statistics a causal model keeps.
+
+    `window` w > 0 makes the weights exact softmax for |i − j| ≤ w (causal: the last w + 1 keys) and the
+    kind's estimate for every other key, with one normaliser (favor.attention.window).
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
-               "fit_gradients": False, "chunk_size": 128, "causal_path": "auto", "stats_momentum": 0.99}
+               "fit_gradients": False, "chunk_size": 128, "causal_path": "auto", "stats_momentum": 0.99,
+               "window": 0}
     mechanism = ""
     mechanism_options: dict[str, Any] = {}
 
@@ -242,6 +246,7 @@ class RandomFeatureAttention(FeatureAttention):
         self.stats_momentum = float(options.get("stats_momentum", 0.99))
         if not 0.0 <= self.stats_momentum < 1.0:
             raise ValueError(f"{self.name}: stats_momentum must be in [0, 1); got {self.stats_momentum!r}")
+        self.window = window_lib.check_window(self.name, options.get("window", 0))
         self.mech = kernels.get(self.mechanism, **self.mechanism_options)
         self.positive = self.mech.positive
         self.data_dependent = self.mech.data_dependent
@@ -310,6 +315,39 @@ class RandomFeatureAttention(FeatureAttention):
         if draw is None:
             return self.mech.draw(self.draw_key(rng, step), self.num_features, params, self.coupling)
         return self.mech.adapt_draw(draw, params)
+
+    def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
+                 stats=None):
+        if not self.window:
+            return super().__call__(q, k, v, mask, causal, rng, step, draw, query_mask, stats)
+        check_qkv(q, k, v, mask, query_mask)
+        if causal:
+            check_causal_lengths(q, k)
+        elif q.shape[1] != k.shape[1]:
+            raise ValueError(f"{self.name} with window={self.window}: the band relates positions of one "
+                             f"sequence, so bidirectional attention needs Lq = Lk; got {q.shape[1]} and {k.shape[1]}")
+        ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
+        (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)
+        x, y = self.scaled(q, k)
+        out = window_lib.attend(lq, sq, lk, sk, x, y, _to_bhld(v), mask, self.positive, self.window, causal,
+                                self.chunk_size, self.causal_path)
+        return _to_bhld(out).astype(v.dtype)
+
+    def decode_init(self, batch, heads, dim, dv):
+        if not self.window:
+            return super().decode_init(batch, heads, dim, dv)
+        return window_lib.decode_init(batch, heads, self.feature_dim(dim), dim, dv, self.window,
+                                      signed=not self.positive)
+
+    def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
+        if not self.window:
+            return super().decode_step(state, q_t, k_t, v_t, ctx, valid)
+        (lq, sq), (lk, sk) = self.log_maps(q_t, k_t, ctx)
+        x, y = self.scaled(q_t, k_t)
+        first = lambda a: None if a is None else a[:, :, 0]
+        out, state = window_lib.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk), x[:, :, 0],
+                                            y[:, :, 0], _to_bhld(v_t)[:, :, 0], valid, self.positive)
+        return out[:, None].astype(v_t.dtype), state
 
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
         zeros = jnp.zeros((1, 1, 1, dim), jnp.float32)

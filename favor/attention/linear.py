@@ -129,7 +129,14 @@ def _causal(lq, sq, lk, sk, v, valid, positive, chunk_size, path):
         front = ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))
         lq = jnp.pad(lq, front)
         sq = None if sq is None else jnp.pad(sq, front, constant_values=1.0)
-    v1 = _ones_column(v)
+    out, _ = _causal_sums(lq, sq, lk, sk, _ones_column(v), chunk_size, path)
+    return _ratio(out[:, :, l_k - l_q:], positive)
+
+
+def _causal_sums(lq, sq, lk, sk, v1, chunk_size, path):
+    """Σ_{j≤i} φ_q(i)ᵀφ_k(j)[v_j, 1] on query i's own scale: (out [B, H, L, Dv+1], log-scale [B, H, L]),
+    the true sums being e^scale · out; scale is −inf where query i sees no key (then out is 0).
+    lq and lk have the same length here; lk is masked already."""
     anchor = _anchor(lk)
 
     def fast(ops):
@@ -140,13 +147,11 @@ def _causal(lq, sq, lk, sk, v, valid, positive, chunk_size, path):
 
     ops = (lq, sq, lk, sk, v1)
     if path == "fast":
-        out = fast(ops)
-    elif path == "exact":
-        out = exact(ops)
-    else:
-        exceed = _causal_fast_exceedance(lk, anchor, chunk_size)
-        out = jax.lax.cond(exceed <= FAST_EXCEEDANCE, fast, exact, ops)
-    return _ratio(out[:, :, l_k - l_q:], positive)
+        return fast(ops)
+    if path == "exact":
+        return exact(ops)
+    exceed = _causal_fast_exceedance(lk, anchor, chunk_size)
+    return jax.lax.cond(exceed <= FAST_EXCEEDANCE, fast, exact, ops)
 
 
 def _anchor(lk):
@@ -189,7 +194,10 @@ def _prefix_states(lk_c, sk_c, v1_c, anchor):
     One chunk state per chunk (a matmul), then a scan over chunks that rescales the running sum when
     the maximum grows, as an online softmax does.
     """
-    mu = jnp.max(lk_c, axis=3)                                    # [B, H, N, F] chunk maxima
+    # chunk maxima [B, H, N, F], under stop_gradient like every stabiliser: the scan's rescaling below
+    # treats them as constants, so a gradient through this shift would not cancel (it once did not: the
+    # causal key gradients were wrong while the outputs were right)
+    mu = sg(jnp.max(lk_c, axis=3))
     fk = _with_sign(jnp.exp(lk_c - _finite_or(mu)[:, :, :, None]), sk_c)
     states = jnp.einsum("bhncd,bhncf->bhnfd", v1_c, fk)            # [B, H, N, F, Dv+1] on scale μ_n
 
@@ -201,7 +209,7 @@ def _prefix_states(lk_c, sk_c, v1_c, anchor):
         add = jnp.where(jnp.isfinite(mu_n), jnp.exp(mu_n - _finite_or(new)), 0.0)
         return (new, total * keep[..., None] + s_n * add[..., None]), (tau, total)
 
-    mu_t = sg(jnp.moveaxis(mu, 2, 0))
+    mu_t = jnp.moveaxis(mu, 2, 0)
     init = (sg(anchor), jnp.zeros_like(states[:, :, 0]))
     _, (tau, prefix) = jax.lax.scan(step, init, (mu_t, jnp.moveaxis(states, 2, 0)))
     return jnp.moveaxis(tau, 0, 2), jnp.moveaxis(prefix, 0, 2)
@@ -220,7 +228,7 @@ def _chunked_with_prefix(lq, sq, lk, sk, v1, anchor, size):
 
 def _fast_references(lk_c, anchor):
     """τ_n = max(anchor, max over earlier chunks) for the fast path, [B, H, N, F]."""
-    mu = jnp.max(lk_c, axis=3)
+    mu = sg(jnp.max(lk_c, axis=3))
     earlier = jax.lax.cummax(mu, axis=2)
     earlier = jnp.concatenate([jnp.full_like(mu[:, :, :1], NEG_INF), earlier[:, :, :-1]], axis=2)
     return sg(jnp.maximum(earlier, anchor[:, :, None]))
@@ -243,7 +251,7 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
         out_i ∝ e^(−α_i)·Q̂_i P_n + Σ_{j ≤ i in chunk} (Q̂_i·K̂_j)·e^(a_j − α_i)·[v_j, 1],
 
     every factor ≤ 1, the denominator ≥ e^(−α_i), and each product Q̂K̂ at least its true value: exact
-    while every a_j ≤ FAST_EXCEEDANCE. Returns out [B, H, L, Dv+1]."""
+    while every a_j ≤ FAST_EXCEEDANCE. Returns (out [B, H, L, Dv+1], its log-scale β_i + α_i)."""
     b, h, l, f = lq.shape
     c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(
         lq, sq, lk, sk, v1, anchor, chunk_size)
@@ -260,8 +268,9 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     any_valid = jnp.any(_has_mass(lk), axis=-1)
     before = any_valid[..., None] & (first[..., None] < pos[None, None, :, 0])   # [B, H, N]
     alpha = jax.lax.cummax(jnp.where(valid_c, a, NEG_INF), axis=3)
-    alpha = jnp.maximum(alpha, jnp.where(before, 0.0, NEG_INF)[..., None])
-    alpha = sg(_finite_or(alpha))                                   # no key yet: the row is all zeros
+    alpha = sg(jnp.maximum(alpha, jnp.where(before, 0.0, NEG_INF)[..., None]))
+    scale = jnp.where(jnp.isfinite(alpha), beta + alpha, NEG_INF)  # −inf: no key yet
+    alpha = _finite_or(alpha)                                       # no key yet: the row is all zeros
 
     # e^(a_j − α_i) ≤ 1 on the causal triangle; the log is masked before exp so that no inf·0 reaches
     # the backward pass
@@ -271,7 +280,7 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     scores = jnp.einsum("bhnif,bhnjf->bhnij", fq, fk) * jnp.exp(log_w)
     out = (jnp.exp(-alpha)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix)
            + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c))
-    return out.reshape(b, h, n * c, -1)[:, :, :l]
+    return out.reshape(b, h, n * c, -1)[:, :, :l], scale.reshape(b, h, n * c)[:, :, :l]
 
 
 def _causal_exact(lq, sq, lk, sk, v1, anchor, block):
@@ -285,15 +294,18 @@ def _causal_exact(lq, sq, lk, sk, v1, anchor, block):
     lqt = jnp.where(jnp.isfinite(tau_p)[:, :, :, None], lq_c + _finite_or(tau_p)[:, :, :, None], NEG_INF)
     tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
     pair = jnp.where(tril, lq_c[:, :, :, :, None, :] + lk_c[:, :, :, None, :, :], NEG_INF)   # [B,H,N,i,j,F]
-    ci = jnp.maximum(jnp.max(lqt, axis=-1), jnp.max(pair, axis=(-2, -1)))
-    ci = sg(_finite_or(ci))
+    ci = sg(_finite_or(jnp.maximum(jnp.max(lqt, axis=-1), jnp.max(pair, axis=(-2, -1)))))
+    # the scale is −inf for queries before the first valid key: τ of the first block is the anchor,
+    # which such a query has not seen, so c_i there is no term's size (the row is all zeros)
+    seen = _has_mass(lk).any(-1)[..., None] & (jnp.arange(l) >= jnp.argmax(_has_mass(lk), -1)[..., None])
+    scale = jnp.where(seen, ci.reshape(b, h, n * c)[:, :, :l], NEG_INF)
     fq = _with_sign(jnp.exp(lqt - ci[..., None]), sq_c)
     terms = jnp.exp(pair - ci[..., None, None])
     if sq_c is not None:
         terms = terms * sq_c[:, :, :, :, None, :] * sk_c[:, :, :, None, :, :]
     scores = jnp.sum(terms, axis=-1)
     out = jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c)
-    return out.reshape(b, h, n * c, -1)[:, :, :l]
+    return out.reshape(b, h, n * c, -1)[:, :, :l], scale
 
 
 # -- decoding -----------------------------------------------------------------------------------------
@@ -304,19 +316,32 @@ def decode_init(batch, heads, features, dv):
             "sum": jnp.zeros((batch, heads, features, dv + 1), F32)}
 
 
+def decode_absorb(state, lk, sk, v):
+    """The state after one more key: lk [B, H, F] (−inf: no key), sk its sign or None, v [B, H, Dv]."""
+    tau = jnp.maximum(state["tau"], lk)
+    keep = jnp.where(jnp.isfinite(state["tau"]), jnp.exp(state["tau"] - _finite_or(tau)), 0.0)
+    fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - _finite_or(tau)), 0.0), sk)
+    total = state["sum"] * keep[..., None] + fk[..., None] * _ones_column(v)[..., None, :]
+    return {"tau": tau, "sum": total}
+
+
+def decode_read(state, lq, sq):
+    """Query lq [B, H, F] against the state: (out [B, H, Dv+1], log-scale [B, H]), the true sums being
+    e^scale · out; −inf where no key was absorbed. The query's stabiliser knows the keys, as in the
+    bidirectional pass."""
+    tau = state["tau"]
+    lqt = jnp.where(jnp.isfinite(tau), lq + _finite_or(tau), NEG_INF)
+    scale = jnp.max(lqt, axis=-1)
+    fq = _with_sign(jnp.exp(lqt - _finite_or(scale)[..., None]), sq)
+    return jnp.einsum("bhf,bhfd->bhd", fq, state["sum"]), scale
+
+
 def decode_step(state, lq, sq, lk, sk, v, valid=None, positive=True):
     """One token: lq, lk [B, H, F], v [B, H, Dv], valid [B] or None -> (out [B, H, Dv], state).
     The same stabilisers as the causal pass with every key a chunk of its own: exact."""
     lq, lk = lq.astype(F32), lk.astype(F32)
     if valid is not None:
         lk = jnp.where(jnp.asarray(valid, bool)[:, None, None], lk, NEG_INF)
-    tau = jnp.maximum(state["tau"], lk)
-    keep = jnp.where(jnp.isfinite(state["tau"]), jnp.exp(state["tau"] - _finite_or(tau)), 0.0)
-    fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - _finite_or(tau)), 0.0), sk)
-    v1 = _ones_column(v)
-    total = state["sum"] * keep[..., None] + fk[..., None] * v1[..., None, :]
-    lqt = jnp.where(jnp.isfinite(tau), lq + _finite_or(tau), NEG_INF)
-    cq = _finite_or(jnp.max(lqt, axis=-1, keepdims=True))
-    fq = _with_sign(jnp.exp(lqt - cq), sq)
-    out = jnp.einsum("bhf,bhfd->bhd", fq, total)
-    return _ratio(out, positive), {"tau": tau, "sum": total}
+    state = decode_absorb(state, lk, sk, v)
+    out, _ = decode_read(state, lq, sq)
+    return _ratio(out, positive), state

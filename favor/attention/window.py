@@ -1,0 +1,168 @@
+"""Local window + random features: exact softmax weights near the diagonal, the kind's estimate elsewhere.
+
+For query i and key j (positions in one sequence; causal queries aligned to the last keys):
+
+    w_ij = exp(x_iᵀy_j)          if j − i in the band: |i − j| ≤ w (causal: i − w ≤ j ≤ i, the last w + 1 keys)
+    w_ij = φ_q(i)ᵀφ_k(j)         for every other key (j < i − w, and j > i + w when bidirectional)
+    Y_i  = Σ_j w_ij v_j / Σ_j w_ij                                       (one shared normaliser)
+
+with x = q·D^(−1/4), y = k·D^(−1/4), so exp(xᵀy) = exp(qᵀk/√D). Off the band the weights are the
+kind's unbiased estimates, so the numerator and the denominator stay unbiased for softmax's; on the
+band they are exact. w ≥ L − 1 is exact softmax.
+
+How. The estimated part is the causal pass over keys shifted right by w + 1 positions (query i then
+sees exactly keys j ≤ i − w − 1); bidirectional adds the same over the reversed sequence (keys
+j ≥ i + w + 1). The band is exact attention over blocks of c ≥ w queries against the neighbouring key
+blocks. Each part comes with its own log-scale (its sums are e^scale · out); they are brought to the
+largest scale of the row before the one division, all scales under stop_gradient. Cost
+O(L·(M + w)·D), memory linear in L. Decoding keeps the last w + 1 keys exactly and absorbs the key
+that leaves the band into the linear state: the same result token by token.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from favor.attention import linear
+from favor.attention.linear import F32, NEG_INF, _finite_or, _mask_keys, _ones_column, _ratio
+
+sg = jax.lax.stop_gradient
+MIN_BLOCK = 16            # the band's query block is max(w, MIN_BLOCK) tokens (at most L)
+
+
+def check_window(name, window):
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"{name}: window must be an integer ≥ 0 (0: no window, w: exact softmax for "
+                         f"|i − j| ≤ w); got {window!r}")
+    return window
+
+
+def _shift(a, s, fill):
+    """[B, H, L, X] moved s positions later along L (the first s rows `fill`), still L long."""
+    if a is None:
+        return None
+    l = a.shape[2]
+    s = min(s, l)
+    return jnp.pad(a, ((0, 0), (0, 0), (s, 0), (0, 0)), constant_values=fill)[:, :, :l]
+
+
+def _flip(a):
+    return None if a is None else jnp.flip(a, axis=2)
+
+
+def _off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path):
+    """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as linear._causal_sums gives them."""
+    s = window + 1
+    return linear._causal_sums(lq, sq, _shift(lk, s, NEG_INF), _shift(sk, s, 1.0), _shift(v1, s, 0.0),
+                               chunk_size, path)
+
+
+def _band(x, y, v1, has_key, left, right):
+    """Exact Σ_{i − left ≤ j ≤ i + right, key j valid} exp(x_iᵀy_j)[v_j, 1]: (out [B, H, L, Dv+1],
+    log-scale [B, H, L], −inf where the band holds no valid key). x, y [B, H, L, D], has_key [B, H, L].
+
+    Blocks of c ≥ max(left, right) queries; block n meets key blocks n − ⌈left/c⌉ .. n + ⌈right/c⌉."""
+    b, h, l, d = x.shape
+    c = min(l, max(left, right, MIN_BLOCK))
+    n = -(-l // c)
+    before, after = -(-left // c), -(-right // c)
+    end = n * c - l
+
+    def blocks(a, fill):
+        a = jnp.pad(a, ((0, 0), (0, 0), (before * c, end + after * c), (0, 0)), constant_values=fill)
+        a = a.reshape(b, h, n + before + after, c, a.shape[-1])
+        return jnp.concatenate([a[:, :, t:t + n] for t in range(before + after + 1)], axis=3)
+
+    xb = jnp.pad(x, ((0, 0), (0, 0), (0, end), (0, 0))).reshape(b, h, n, c, d)
+    yb, vb = blocks(y, 0.0), blocks(v1, 0.0)                                  # [B, H, N, K, ·]
+    kb = blocks(has_key[..., None].astype(F32), 0.0)[..., 0] > 0             # [B, H, N, K]
+    qpos = jnp.arange(n * c).reshape(n, c)
+    kpos = (jnp.arange(n)[:, None] - before) * c + jnp.arange((before + after + 1) * c)[None]
+    rel = kpos[:, None, :] - qpos[:, :, None]                                 # [N, c, K]: j − i
+    inside = (rel >= -left) & (rel <= right)
+    keep = inside[None, None] & kb[:, :, :, None, :]
+    scores = jnp.einsum("bhnid,bhnjd->bhnij", xb, yb)
+    logits = jnp.where(keep, scores, NEG_INF)
+    m = sg(jnp.max(logits, axis=-1))                                           # −inf: no key in band
+    p = jnp.exp(logits - _finite_or(m)[..., None])                            # masked before exp
+    out = jnp.einsum("bhnij,bhnjd->bhnid", p, vb)
+    return out.reshape(b, h, n * c, -1)[:, :, :l], m.reshape(b, h, n * c)[:, :, :l]
+
+
+def combine(parts):
+    """Σ of (out, log-scale) parts on the largest scale of each row; parts with scale −inf hold nothing."""
+    top = _finite_or(jnp.max(jnp.stack([s for _, s in parts]), axis=0))
+    total = 0.0
+    for out, s in parts:
+        total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - top), 0.0)[..., None]
+    return total
+
+
+@partial(jax.jit, static_argnames=("positive", "window", "causal", "chunk_size", "path"))
+def attend(lq, sq, lk, sk, x, y, v, valid, positive, window, causal, chunk_size=128, path="auto"):
+    """[B, H, Lq, Dv]. lq/lk log-features and signs [B, H, L, F] as in favor.attention.linear, x/y the
+    scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), v [B, H, Lk, Dv], valid [B, Lk] or None.
+    Causal: queries aligned to the last keys (Lq ≤ Lk); bidirectional: Lq = Lk (the band is a relation
+    between positions of one sequence)."""
+    l_q, l_k = lq.shape[2], lk.shape[2]
+    if causal and l_q > l_k:
+        raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
+                         f"got Lq = {l_q}, Lk = {l_k}")
+    if not causal and l_q != l_k:
+        raise ValueError(f"window attention relates positions of one sequence: bidirectional needs Lq = Lk; "
+                         f"got Lq = {l_q}, Lk = {l_k}")
+    lq, lk = lq.astype(F32), _mask_keys(lk.astype(F32), valid)
+    x, y = x.astype(F32), y.astype(F32)
+    if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
+        front = ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))
+        lq, x = jnp.pad(lq, front), jnp.pad(x, front)
+        sq = None if sq is None else jnp.pad(sq, front, constant_values=1.0)
+    v1 = _ones_column(v)
+    has_key = linear._has_mass(lk)
+    parts = [_off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path),
+             _band(x, y, v1, has_key, window, 0 if causal else window)]
+    if not causal:
+        out, s = _off_band_before(_flip(lq), _flip(sq), _flip(lk), _flip(sk), _flip(v1), window, chunk_size, path)
+        parts.append((_flip(out), _flip(s)))
+    return _ratio(combine(parts)[:, :, l_k - l_q:], positive)
+
+
+# -- decoding -----------------------------------------------------------------------------------------
+def decode_init(batch, heads, features, dim, dv, window, signed):
+    """The linear state of the keys that left the band, and the last w + 1 keys (oldest first): their
+    scaled keys y, log-features (and signs), values and whether each slot holds a key."""
+    w1 = window + 1
+    state = {**linear.decode_init(batch, heads, features, dv),
+             "y": jnp.zeros((batch, heads, w1, dim), F32),
+             "lk": jnp.full((batch, heads, w1, features), NEG_INF, F32),
+             "v": jnp.zeros((batch, heads, w1, dv), F32),
+             "key": jnp.zeros((batch, heads, w1), bool)}
+    if signed:
+        state["sk"] = jnp.ones((batch, heads, w1, features), F32)
+    return state
+
+
+def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
+    """One token: lq, lk [B, H, F], x, y [B, H, D], v [B, H, Dv] -> (out [B, H, Dv], state). The oldest
+    of the w + 1 kept keys leaves the band (into the linear state); the new key joins it."""
+    lq, lk, x, y, v = (a.astype(F32) for a in (lq, lk, x, y, v))
+    key = jnp.ones(lk.shape[:2], bool) if valid is None else jnp.broadcast_to(
+        jnp.asarray(valid, bool)[:, None], lk.shape[:2])
+    lk = jnp.where(key[..., None], lk, NEG_INF)
+    old_lk = jnp.where(state["key"][..., 0, None], state["lk"][:, :, 0], NEG_INF)
+    lin = linear.decode_absorb({"tau": state["tau"], "sum": state["sum"]}, old_lk,
+                               state["sk"][:, :, 0] if "sk" in state else None, state["v"][:, :, 0])
+    push = lambda buf, new: jnp.concatenate([buf[:, :, 1:], new[:, :, None]], axis=2)
+    new = {**lin, "y": push(state["y"], y), "lk": push(state["lk"], lk), "v": push(state["v"], v),
+           "key": push(state["key"], key)}
+    if "sk" in state:
+        new["sk"] = push(state["sk"], jnp.ones_like(lk) if sk is None else sk.astype(F32))
+    scores = jnp.where(new["key"], jnp.einsum("bhd,bhwd->bhw", x, new["y"]), NEG_INF)
+    m = sg(jnp.max(scores, axis=-1))
+    p = jnp.exp(scores - _finite_or(m)[..., None])
+    band = jnp.einsum("bhw,bhwd->bhd", p, _ones_column(new["v"]))
+    est = linear.decode_read(lin, lq, sq)
+    return _ratio(combine([est, (band, m)]), positive), new

@@ -1,0 +1,214 @@
+"""The local-window hybrid (`window=w`): exact softmax weights on the band |i − j| ≤ w, the kind's
+estimate elsewhere, one normaliser. Against the explicit L×L form in float64 (tests/reference.py: the
+estimate's terms written again from the formulas, the band's exp(qᵀk/√D) in the test), against exact
+softmax as w → L, and the invariants every kind keeps: padding, causality, decoding, gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from favor import attention, configlib
+from test_attention import RF_KINDS, calibration_stats, context_of, key_mask, make, qkv
+
+
+def check(attn, q, k, v, mask, causal, rng=None, stats=None, rtol=2e-4):
+    out = attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)
+    ctx = context_of(attn, q, k, mask, rng, causal, stats)
+    ref, cond = reference.attention(attn, q, k, v, ctx, mask, causal, window=attn.window)
+    out = np.asarray(out, np.float64)
+    # bf16 outputs are rounded to bf16 (8 bits): that rounding is allowed on top
+    out_rtol = 2.0 ** -8 if v.dtype == jnp.bfloat16 else 0.0
+    bound = rtol * cond[..., None] + out_rtol * np.abs(ref) + 1e-30
+    bad = np.abs(out - ref) > bound
+    assert not bad.any(), (attn.name, causal, float(np.max(np.abs(out - ref) / bound)), np.argwhere(bad)[:3])
+    return out, ref
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", RF_KINDS)
+def test_equals_the_explicit_form_with_padding(kind, causal):
+    """L = 9 with chunks of 4 and w = 2: the band crosses chunk boundaries, padded keys inside it."""
+    attn = make(kind, chunk_size=4, window=2)
+    q, k, v = qkv()
+    check(attn, q, k, v, key_mask(), causal, rng=jax.random.PRNGKey(3),
+          stats=calibration_stats(attn, 8) if causal else None)
+
+
+@pytest.mark.parametrize("window", [1, 5, 20])
+@pytest.mark.parametrize("causal", [False, True])
+def test_windows_narrower_and_wider_than_a_chunk(window, causal):
+    """Band blocks of 16 queries against 1 or 2 neighbouring blocks (w = 1, 5) or 2 blocks each side
+    (w = 20 > the block), L = 37: a partial last block."""
+    attn = make("favor+", chunk_size=8, window=window)
+    q, k, v = qkv(lq=37, lk=37, seed=2)
+    mask = np.ones((2, 37), bool)
+    mask[0, 30:] = False
+    mask[1, [0, 17]] = False
+    check(attn, q, k, v, jnp.asarray(mask), causal, rng=jax.random.PRNGKey(1))
+
+
+@pytest.mark.parametrize("path", ["fast", "exact"])
+@pytest.mark.parametrize("kind", ["favor+", "favor"])
+def test_large_norms_and_both_causal_paths(kind, path):
+    """Norms from 1 to 10·√D along the sequence, reversed (a large first key); each causal path."""
+    d, l = 16, 12
+    attn = make(kind, chunk_size=4, window=3, causal_path=path)
+    norms = np.linspace(1.0, 10.0 * d ** 0.5, l)[::-1]
+    q, k, v = qkv(b=1, lq=l, lk=l, d=d, norms=norms, seed=9)
+    for causal in (False, True):
+        if path == "fast" and kind == "favor" and not causal:
+            continue            # the path is a causal option; bidirectional was covered by "exact"
+        out, _ = check(attn, q, k, v, None, causal, rng=jax.random.PRNGKey(2))
+        assert np.all(np.isfinite(out))
+
+
+def test_bf16_inputs():
+    attn = make("favor++", chunk_size=4, window=2)
+    q, k, v = qkv(dtype=jnp.bfloat16)
+    for causal in (False, True):
+        check(attn, q, k, v, key_mask(), causal, rng=jax.random.PRNGKey(3),
+              stats=calibration_stats(attn, 8) if causal else None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tends_to_exact_softmax_as_the_window_grows(causal):
+    """The mean (over 16 draws) error against softmax falls as w grows, and w = L − 1 is softmax."""
+    l = 24
+    q, k, v = qkv(b=1, lq=l, lk=l, scale=1.0, seed=7)
+    exact = np.asarray(attention.get("softmax")(q, k, v, causal=causal))
+    errors = {}
+    for w in (0, 4, 12, l - 1):
+        attn = make("favor+", chunk_size=8, window=w)
+        errs = [np.abs(np.asarray(attn(q, k, v, causal=causal, rng=jax.random.PRNGKey(s))) - exact).mean()
+                for s in range(16)]
+        errors[w] = float(np.mean(errs))
+    assert errors[0] > errors[4] > errors[12], errors
+    assert errors[l - 1] < 1e-6, errors
+
+
+@pytest.mark.parametrize("kind", ["favor+", "favor#", "hrf"])
+def test_causal_invariants(kind):
+    """Position 0 outputs v_0 (norms to 10·√D); a future token moves no past output. (Identical keys do
+    not give the mean of the values here: on the band their weight is exact, off it estimated.)"""
+    d, l = 16, 12
+    attn = make(kind, chunk_size=4, window=3)
+    stats = calibration_stats(attn, d)
+    norms = np.full(l, 10.0 * d ** 0.5)
+    q, k, v = qkv(b=1, lq=l, lk=l, d=d, norms=norms, seed=4)
+    out = attn(q, k, v, causal=True, stats=stats)
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(v[:, 0]), rtol=1e-5, atol=1e-5)
+
+    t = 6
+    k2 = k.at[:, t + 1:].set(-3.0 * k[:, t + 1:])
+    v2 = v.at[:, t + 1:].set(100.0)
+    a = np.asarray(attn(q, k, v, causal=True, stats=stats))
+    b = np.asarray(attn(q, k2, v2, causal=True, stats=stats))
+    np.testing.assert_allclose(a[:, :t + 1], b[:, :t + 1], rtol=1e-6, atol=1e-6)
+
+
+def test_length_one_and_empty_rows():
+    attn = make("favor+", window=4)
+    q, k, v = qkv(lq=1, lk=1)
+    for causal in (False, True):
+        np.testing.assert_allclose(np.asarray(attn(q, k, v, causal=causal)), np.asarray(v), rtol=1e-6)
+    q, k, v = qkv()
+    mask = jnp.asarray(np.ones((2, 9), bool)).at[0].set(False)       # a row with no valid key
+    for causal in (False, True):
+        out = np.asarray(attn(q, k, v, mask=mask, causal=causal))
+        np.testing.assert_array_equal(out[0], 0.0)
+        assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_change_neither_outputs_nor_gradients(causal):
+    attn = make("favor++", chunk_size=4, window=2)
+    stats = calibration_stats(attn, 8) if causal else None
+    q, k, v = qkv(seed=5)
+    mask = key_mask()
+    valid = np.asarray(mask)[:, :, None, None]
+
+    @jax.jit
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out = attn(q, k, v, mask=mask, causal=causal, rng=jax.random.PRNGKey(4), stats=stats)
+            return jnp.sum(jnp.where(valid, out, 0.0) ** 2)
+        return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+    l1, g1 = grads(q, k, v)
+    l2, g2 = grads(q, jnp.where(valid, k, 30.0), jnp.where(valid, v, 1e3))
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    for a, b in zip(g1, g2):
+        assert np.all(np.isfinite(np.asarray(a))) and np.all(np.isfinite(np.asarray(b)))
+        np.testing.assert_allclose(np.where(valid, a, 0), np.where(valid, b, 0), rtol=1e-4, atol=1e-5)
+    for g in (g1[1], g1[2], g2[1], g2[2]):
+        np.testing.assert_array_equal(np.where(valid, 0, np.asarray(g)), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["favor+", "favor", "favor#"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_equal_those_of_the_explicit_form(kind, causal):
+    """Gradients to q, k, v equal the autodiff of the explicit L×L form in float64
+    (reference.explicit_attention: the band's exp(qᵀk/√D), φ_qᵀφ_k elsewhere, same ω), with padding."""
+    attn = make(kind, chunk_size=4, window=2)
+    q, k, v = qkv(seed=6)
+    mask, rng = key_mask(), jax.random.PRNGKey(0)
+    stats = calibration_stats(attn, 8) if causal else None
+    weights = jax.random.normal(jax.random.PRNGKey(1), v.shape)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * weights)
+    got = jax.grad(loss(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)),
+                   (0, 1, 2))(q, k, v)
+    with jax.enable_x64(True):
+        want = jax.grad(loss(lambda q, k, v: reference.explicit_attention(
+            attn, q, k, v, mask, causal, rng, stats, window=2)), (0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", RF_KINDS)
+def test_decoding_step_equals_causal_pass(kind):
+    """Token by token (the band's keys kept exactly, the leaving key absorbed) equals the causal pass;
+    a padded token included."""
+    attn = make(kind, chunk_size=4, window=3)
+    d, l = 8, 9
+    q, k, v = qkv(lq=l, lk=l, d=d, scale=1.5)
+    valid = jnp.ones((2, l), bool).at[1, 3].set(False)
+    stats = calibration_stats(attn, d)
+    full = attn(q, k, v, mask=valid, causal=True, stats=stats)
+    ctx = attn.decode_context(d, stats=stats)
+    state = attn.decode_init(2, 2, d, v.shape[-1])
+    steps = []
+    for t in range(l):
+        o, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
+        steps.append(o)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), rtol=2e-4, atol=2e-5)
+
+
+def test_causal_with_fewer_queries_aligns_them_to_the_last_keys():
+    attn = make("favor+", chunk_size=4, window=2)
+    q, k, v = qkv()
+    full = attn(q, k, v, causal=True)
+    tail = attn(q[:, 5:], k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(tail), np.asarray(full[:, 5:]), rtol=1e-5, atol=1e-6)
+
+
+def test_errors_name_the_bad_value():
+    for bad in (-1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="window must be an integer ≥ 0"):
+            attention.get("favor+", window=bad)
+    q, k, v = qkv(lq=5, lk=9)
+    with pytest.raises(ValueError, match="needs Lq = Lk; got 5 and 9"):
+        attention.get("favor+", window=2)(q, k, v)
+    assert "window" not in attention.get("softmax").OPTIONS            # only random-feature kinds
+
+
+def test_config_override_reaches_the_layer():
+    from configs import default
+    config = default.get_config("runlocal")
+    config.model.attention.window = 4
+    configlib.validate(config)
+    assert configlib.attention_options(config.model.attention)["window"] == 4
+    config.model.attention.window = -2
+    with pytest.raises(configlib.ConfigError, match="model.attention.window"):
+        configlib.validate(config)
