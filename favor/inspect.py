@@ -1,0 +1,317 @@
+"""How good is my approximation? `python -m favor.inspect --workdir <run> [--kinds favor+,favor#]
+[--num_features 16,64,256] [--batches 4] [--plot out.png] [--json out.json]`.
+
+Loads a run's newest checkpoint, feeds evaluation batches through its model (its own attention kind,
+the evaluation ω), records every attention layer's input, and from it each layer's queries, keys and
+values. Then, per layer and head, on those same q, k, v:
+- the relative error of each kind's attention output against exact softmax,
+  ‖Y_kind − Y_softmax‖ / ‖Y_softmax‖ over the valid tokens of all batches;
+- the norms of the scaled queries and keys x = q·D^(−1/4), y = k·D^(−1/4) (the kernel is exp(xᵀy): the
+  random-feature variances grow like e^(‖x‖² + ‖y‖²));
+- the mean relative variance Var[Ŝ(x, y)] / exp(xᵀy)² over valid pairs, from the kind's analytic formula
+  for M iid features (a kind or coupling without a formula, or a window kind, shows —).
+
+A kind is `kind[:variant][@window]`: `favor#:saderf`, `hrf:gaussian`, `favor+@16` (favor+ with a local
+window of 16). Options not given come from the run's attention block (coupling, ...); every random-
+feature kind draws its own ω per layer from `--seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from favor import attention as attention_lib, configlib
+from favor.models.layers import SelfAttention, rotary
+
+DEFAULT_KINDS = ("softmax", "favor", "favor+", "favor++", "favor#")
+VARIANT_KEY = {"favor#": "variant", "hrf": "lambda_", "simrf": "features"}
+
+
+def parse_kind(spec: str) -> tuple[str, dict]:
+    """'favor#:saderf@16' -> ('favor#', {'variant': 'saderf', 'window': 16})."""
+    body, _, window = spec.partition("@")
+    kind, _, variant = body.partition(":")
+    if kind not in attention_lib.names():
+        raise ValueError(f"--kinds: unknown attention kind {kind!r}; valid: {', '.join(attention_lib.names())}")
+    opts = {}
+    if variant:
+        if kind not in VARIANT_KEY:
+            raise ValueError(f"--kinds: {kind!r} has no variant (got {spec!r}); kinds with one: "
+                             f"{', '.join(VARIANT_KEY)}")
+        opts[VARIANT_KEY[kind]] = variant
+    if window:
+        if not window.isdigit():
+            raise ValueError(f"--kinds: the window after '@' must be an integer; got {spec!r}")
+        opts["window"] = int(window)
+    return kind, opts
+
+
+def _build(spec, num_features, run_block):
+    """The attention of `spec` with M features, the run's other options, and its row label."""
+    kind, opts = parse_kind(spec)
+    block = {**dict(run_block), "kind": kind, **opts}
+    if num_features is not None:
+        block["num_features"] = int(num_features)
+    options = configlib.attention_options(block)
+    attn = attention_lib.get(**options)
+    label = spec if not isinstance(attn, attention_lib.RandomFeatureAttention) else f"{spec} (M={attn.num_features})"
+    return label, attn
+
+
+def load(workdir):
+    """(config, model module with the run's parameters, its evaluation batches, task) of a run's newest
+    checkpoint; the module's attention layers record their inputs."""
+    from favor import sharding, trainer, uptrain
+    workdir = Path(workdir).absolute()
+    spec = f"run:{workdir}"
+    config = uptrain.open_checkpoint(uptrain.parse(spec)).config
+    with config.unlocked():
+        config.model.init_from = spec
+        if "uptrain" in config:
+            config.uptrain.transfer_steps = 0
+    config = trainer.with_tokenizer(config, workdir)
+    source, task = trainer.make_data(config)
+    model = trainer.make_model(config, source)
+    layout = trainer.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
+    state = jax.jit(model.init, out_shardings=layout.state)()
+    params = uptrain.load_params(config, uptrain.parse(spec), state["params"], layout.state["params"])
+    rest = state["rest"]
+    features_fn = trainer.eval_features_fn(config, model)
+    if features_fn is not None:
+        rest = features_fn(params, rest)
+    module = nnx.merge(model.graphdef, params, rest)
+    for _, m in nnx.iter_graph(module):
+        if isinstance(m, SelfAttention):
+            m.record = True
+    batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
+    return config, module, batches, task
+
+
+def _layers(module):
+    return [(tuple(path), m) for path, m in nnx.iter_graph(module) if isinstance(m, SelfAttention)]
+
+
+def _qkv(layer, x, positions):
+    b, l, _ = x.shape
+    split = lambda t: t.reshape(b, l, layer.heads, layer.head_dim)
+    q, k, v = split(layer.query(x)), split(layer.key(x)), split(layer.value(x))
+    if layer.use_rotary:
+        pos = jnp.arange(l) if positions is None else positions
+        q, k = rotary(q, pos), rotary(k, pos)
+    return q, k, v
+
+
+def _relative_variance(attn, q, k, mask, ctx):
+    """Mean over valid pairs (and the batch) of Var/exp(xᵀy)², per head [H]; None without a formula."""
+    if not isinstance(attn, attention_lib.RandomFeatureAttention) or attn.window:
+        return None
+    x, y = attn.scaled(q, k)
+    try:
+        var = attn.mech.variance(x, y, ctx.params, attn.num_features, "iid")
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+    log_rel = jnp.log(jnp.maximum(var.astype(jnp.float32), 0.0)) - 2.0 * jnp.einsum("bhid,bhjd->bhij", x, y)
+    rel = jnp.exp(log_rel.astype(jnp.float32))
+    w = jnp.ones(rel.shape, jnp.float32) if mask is None else (
+        (mask[:, None, :, None] & mask[:, None, None, :]).astype(jnp.float32))
+    return jnp.sum(rel * w, (0, 2, 3)) / jnp.maximum(jnp.sum(w, (0, 2, 3)), 1.0)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _kind_figures(attn, causal, q, k, v, mask, key):
+    """(squared error against exact softmax per token and head [B, L, H], relative variance per head or
+    None). Softmax is computed in the same program, so the softmax kind's own error is exactly 0."""
+    exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=causal)
+    rv = None
+    if isinstance(attn, attention_lib.RandomFeatureAttention):
+        stats = None
+        if causal and attn.data_dependent:
+            stats = attn.statistics(q, k, mask, mask)        # a diagnostic: fitted on the batch itself
+        draw = attn.base_draw(key, q.shape[-1])
+        out = attn(q, k, v, mask=mask, causal=causal, draw=draw, query_mask=mask, stats=stats)
+        ctx = attn.context(q, k, mask, None, None, mask, draw, stats, causal)
+        rv = _relative_variance(attn, q, k, mask, ctx)
+    else:
+        out = attn(q, k, v, mask=mask, causal=causal)
+    diff = jnp.sum(jnp.square(out.astype(jnp.float32) - exact.astype(jnp.float32)), -1)
+    return diff, rv
+
+
+def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=0, log=print) -> dict:
+    """Per layer and head: relative error against softmax per kind (and M), query/key norms, relative
+    variance. Returns a JSON-ready dict; `log` gets one line per batch."""
+    config, module, data, task = load(workdir)
+    layers = _layers(module)
+    run_block = dict(config.model.attention)
+    built = []
+    for spec in kinds:
+        ms = num_features if isinstance(attention_lib.get(parse_kind(spec)[0]), attention_lib.RandomFeatureAttention) \
+            else (None,)
+        built += [_build(spec, m, run_block) for m in ms]
+    heads = layers[0][1].heads
+    zeros = lambda: np.zeros((len(layers), heads))
+    err2 = {label: zeros() for label, _ in built}
+    var = {label: zeros() for label, _ in built}
+    has_var = {label: True for label, _ in built}
+    ref2, nq, nk, mq, mk, count, seen = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), 0
+    base = jax.random.PRNGKey(seed)
+    for batch in data:
+        if seen >= batches:
+            break
+        _, captured = nnx.capture(lambda m, b: task.eval_outputs(m, b), nnx.Intermediate)(module, batch)
+        for li, (path, layer) in enumerate(layers):
+            node = captured
+            for p in path:
+                node = node[p]
+            x, mask, positions, _ = node["transfer"].get_value()[0]
+            q, k, v = _qkv(layer, x, positions)
+            tokens = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask, bool)
+            if "valid" in batch:
+                tokens = tokens & jnp.asarray(batch["valid"], bool)[:, None]
+            w = np.asarray(tokens, np.float64)[:, :, None]                                  # [B, L, 1]
+            exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=layer.causal)
+            ref2[li] += np.sum(np.square(np.asarray(exact, np.float64)).sum(-1) * w, (0, 1))
+            s = layer.head_dim ** -0.25
+            norm = lambda t: np.linalg.norm(np.asarray(t, np.float64) * s, axis=-1)         # [B, L, H]
+            nq[li] += np.sum(norm(q) * w, (0, 1))
+            nk[li] += np.sum(norm(k) * w, (0, 1))
+            mq[li] = np.maximum(mq[li], np.max(np.where(w > 0, norm(q), 0.0), (0, 1)))
+            mk[li] = np.maximum(mk[li], np.max(np.where(w > 0, norm(k), 0.0), (0, 1)))
+            count[li] += np.sum(w)
+            key = jax.random.fold_in(jax.random.fold_in(base, li), seen)
+            for label, attn in built:
+                diff, rv = _kind_figures(attn, layer.causal, q, k, v, mask, key)
+                err2[label][li] += np.sum(np.asarray(diff, np.float64) * w, (0, 1))
+                if rv is None:
+                    has_var[label] = False
+                else:
+                    var[label][li] += np.asarray(rv)
+        seen += 1
+        log(f"batch {seen}/{batches}")
+    if not seen:
+        raise ValueError(f"{workdir}: the evaluation split gave no batch")
+    result = {"workdir": str(workdir), "batches": seen, "layers": len(layers), "heads": heads,
+              "query_norm": (nq / np.maximum(count, 1)).tolist(), "key_norm": (nk / np.maximum(count, 1)).tolist(),
+              "query_norm_max": mq.tolist(), "key_norm_max": mk.tolist(), "kinds": {}}
+    for label, _ in built:
+        rel = np.sqrt(err2[label] / np.maximum(ref2, 1e-30))
+        result["kinds"][label] = {"relative_error": rel.tolist(),
+                                  "relative_variance": (var[label] / seen).tolist() if has_var[label] else None}
+    return result
+
+
+def _grid(values, fmt):
+    return ["  layer {:<3} ".format(i) + " ".join(fmt(v) for v in row) for i, row in enumerate(values)]
+
+
+def report(result) -> str:
+    """The printed report: norms, then per kind the error (and variance) grids, layers × heads."""
+    h = result["heads"]
+    head = "  " + " " * 10 + " ".join(f"{'head ' + str(j):>9}" for j in range(h))
+    f = lambda v: f"{v:9.3f}"
+    g = lambda v: f"{v:9.3g}"
+    lines = [f"{result['workdir']}: {result['layers']} attention layers × {h} heads, {result['batches']} eval batches",
+             "", "scaled query norm ‖q‖/D^¼ (mean / max over valid tokens)", head]
+    lines += _grid([[f"{a:.2f}/{b:.2f}" for a, b in zip(r, m)] for r, m in
+                    zip(result["query_norm"], result["query_norm_max"])], lambda s: f"{s:>9}")
+    lines += ["", "scaled key norm ‖k‖/D^¼ (mean / max)", head]
+    lines += _grid([[f"{a:.2f}/{b:.2f}" for a, b in zip(r, m)] for r, m in
+                    zip(result["key_norm"], result["key_norm_max"])], lambda s: f"{s:>9}")
+    for label, r in result["kinds"].items():
+        lines += ["", f"{label}: relative error of the attention output against softmax", head]
+        lines += _grid(r["relative_error"], f)
+        if r["relative_variance"] is not None:
+            lines += [f"{label}: mean relative variance Var[Ŝ]/exp(xᵀy)² (iid formula)", head]
+            lines += _grid(r["relative_variance"], g)
+    summary = sorted((float(np.mean(r["relative_error"])), label) for label, r in result["kinds"].items())
+    lines += ["", "mean relative error over layers and heads:"]
+    lines += [f"  {label:<28} {e:.4f}" for e, label in summary]
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    """One heatmap per kind (layers × heads, colour = relative error, one shared colour scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    kinds = list(result["kinds"])
+    values = [np.asarray(result["kinds"][k]["relative_error"]) for k in kinds]
+    positive = [v[v > 0] for v in values]
+    lo = min((p.min() for p in positive if p.size), default=1e-3)
+    hi = max((v.max() for v in values), default=1.0)
+    norm = LogNorm(vmin=max(lo, 1e-4), vmax=max(hi, lo * 10, 1e-3))
+    cols = min(len(kinds), 4)
+    rows = math.ceil(len(kinds) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1.2, 1.0 + (1.6 + 0.4 * result["layers"]) * rows),
+                             squeeze=False, layout="constrained")
+    for ax, label, v in zip(axes.flat, kinds, values):
+        im = ax.imshow(np.maximum(v, norm.vmin), norm=norm, cmap="viridis", aspect="auto")
+        ax.set_title(f"{label}\nmean {v.mean():.3g}", fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(v.shape[1]))
+        ax.set_yticks(range(v.shape[0]))
+        for (i, j), e in np.ndenumerate(v):
+            ax.text(j, i, f"{e:.2g}", ha="center", va="center", fontsize=7,
+                    color="white" if e < math.sqrt(norm.vmin * norm.vmax) else "black")
+    for ax in list(axes.flat)[len(kinds):]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes.ravel().tolist(), label="‖Y − Y_softmax‖ / ‖Y_softmax‖")
+    fig.suptitle(f"Attention error against exact softmax, per layer and head\n{Path(result['workdir']).name}, "
+                 f"{result['batches']} eval batches", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m favor.inspect", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True, help="a favor run (its checkpoints/ are read)")
+    p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
+                   help="comma-separated kind[:variant][@window] (default: %(default)s)")
+    p.add_argument("--num_features", default="",
+                   help="comma-separated M values for the random-feature kinds (default: the run's)")
+    p.add_argument("--batches", type=int, default=4, help="evaluation batches to feed (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random features (default: %(default)s)")
+    p.add_argument("--plot", default="", help="write a heatmap per kind to this PNG")
+    p.add_argument("--json", default="", help="write the figures to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        kinds = [k for k in args.kinds.split(",") if k]
+        for k in kinds:
+            parse_kind(k)
+        ms = [int(m) for m in args.num_features.split(",") if m] or [None]
+        if any(m < 1 for m in ms if m is not None):
+            raise ValueError(f"--num_features must be positive integers; got {args.num_features!r}")
+        if args.batches < 1:
+            raise ValueError(f"--batches must be ≥ 1; got {args.batches}")
+        if not (Path(args.workdir) / "checkpoints").is_dir():
+            raise ValueError(f"--workdir {args.workdir}: no checkpoints/ there (a favor run's directory)")
+        result = inspect(args.workdir, kinds, ms, args.batches, args.seed, log=lambda s: print(s, file=sys.stderr))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(result))
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"figures: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
