@@ -76,8 +76,13 @@ def matmul_seconds(flops, repeats):
 
 
 def kind_options(spec):
-    """'favor#:saderf' -> ('favor#', {..., variant: 'saderf'}): a kind plus its variant option."""
+    """'favor#:saderf' -> ('favor#', {..., variant: 'saderf'}): a kind plus its variant option;
+    'favor+@64' adds a local window of 64 (favor.attention.window)."""
+    spec, _, window = spec.partition("@")
     kind, _, variant = spec.partition(":")
+    if window:
+        kind, opts = kind_options(spec)
+        return kind, {**opts, "window": int(window)}
     if kind in ("softmax", "relu", "elu"):
         return kind, {}
     opts = {"num_features": M, "redraw": "step"}
@@ -323,8 +328,9 @@ def main(argv=None):
         return
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     for k in kinds:
-        if k.partition(":")[0] not in attention.names():
-            parser.error(f"unknown kind {k!r}; valid: {', '.join(attention.names())} (optionally kind:variant)")
+        if k.partition("@")[0].partition(":")[0] not in attention.names():
+            parser.error(f"unknown kind {k!r}; valid: {', '.join(attention.names())} (optionally kind:variant, "
+                         f"kind@window)")
     lengths = [int(x) for x in args.lengths.split(",")]
     runtime.keep_host_pages()   # for every kind and the yardsticks alike; see favor/runtime.py
     run(kinds, lengths, args.repeats, args.out, lambda rows: write(rows, args.out, argv, args.section))

@@ -1,7 +1,9 @@
 """Linear attention over log-space features: the O(L) cores every feature kind shares.
 
-Inputs are log-features and signs, never exponentiated features: lq [B, H, Lq, F] = log|φ_q|,
-lk [B, H, Lk, F] = log|φ_k|, sq / sk their signs (None for positive features), values
+Inputs are log-features and multipliers, never exponentiated features: lq [B, H, Lq, F] = log|φ_q|,
+lk [B, H, Lk, F] = log|φ_k|, sq / sk their signs (None for positive features); or, for maps whose only
+unbounded factor is per row (trig, HRF: favor.kernels.base), lq/lk [B, H, L, 1] log-scales and sq/sk the
+bounded feature values (|·| ≤ 1) — every formula below broadcasts over that last axis. Values
 v [B, H, Lk, Dv], and `valid` [B, Lk] (True = a real key) or None. A log-feature may be −inf (an
 exact zero feature, ReLU's); a key whose every log-feature is −inf carries no mass and counts as no
 key. Padded keys are set to −inf here, before anything is exponentiated, so a padded key can change
@@ -143,7 +145,7 @@ def _causal_sums(lq, sq, lk, sk, v1, chunk_size, path):
         return _causal_fast(*ops, anchor, chunk_size)
 
     def exact(ops):
-        return _causal_exact(*ops, anchor, EXACT_BLOCK)
+        return _causal_exact(*ops, anchor, EXACT_BLOCK, chunk_size)
 
     ops = (lq, sq, lk, sk, v1)
     if path == "fast":
@@ -186,13 +188,14 @@ def _key_chunks(lk, c):
     return lk.reshape(b, h, (l + pad) // c, c, f)
 
 
-def _prefix_states(lk_c, sk_c, v1_c, anchor):
+def _prefix_states(lk_c, sk_c, v1_c, anchor, start=None):
     """Per chunk n, the exclusive prefix Σ_{j in chunks < n} φ_k(j)[v_j, 1] on the scale τ_n:
 
     τ_n [B, H, N, F] = max(anchor, max of l_k over chunks < n) (−inf where nothing yet), and
     P_n [B, H, N, F, Dv+1] = Σ exp(l_k(j) − τ_n)·sign·[v_j, 1] (every term ≤ 1).
     One chunk state per chunk (a matmul), then a scan over chunks that rescales the running sum when
-    the maximum grows, as an online softmax does.
+    the maximum grows, as an online softmax does. `start` [B, H, F, Dv+1]: a sum already there before the
+    first chunk, on the scale `anchor` (zero when None).
     """
     # chunk maxima [B, H, N, F], under stop_gradient like every stabiliser: the scan's rescaling below
     # treats them as constants, so a gradient through this shift would not cancel (it once did not: the
@@ -210,19 +213,19 @@ def _prefix_states(lk_c, sk_c, v1_c, anchor):
         return (new, total * keep[..., None] + s_n * add[..., None]), (tau, total)
 
     mu_t = jnp.moveaxis(mu, 2, 0)
-    init = (sg(anchor), jnp.zeros_like(states[:, :, 0]))
+    init = (sg(anchor), jnp.zeros_like(states[:, :, 0]) if start is None else start)
     _, (tau, prefix) = jax.lax.scan(step, init, (mu_t, jnp.moveaxis(states, 2, 0)))
     return jnp.moveaxis(tau, 0, 2), jnp.moveaxis(prefix, 0, 2)
 
 
-def _chunked_with_prefix(lq, sq, lk, sk, v1, anchor, size):
+def _chunked_with_prefix(lq, sq, lk, sk, v1, anchor, size, start=None):
     """Everything in chunks of `size` (c, N, then q, sign, k, sign, [v, 1] as [B, H, N, c, ·]) and the
-    prefix states before each chunk on its causal scale τ_n (anchor included)."""
+    prefix states before each chunk on its causal scale τ_n (anchor included; `start` a sum before it)."""
     c = min(size, lq.shape[2])
     chunk = lambda a: None if a is None else _chunks(a, c)
     lk_c = _key_chunks(lk, c)
     sk_c, v1_c = chunk(sk), chunk(v1)
-    tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor)
+    tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor, start)
     return c, lk_c.shape[2], chunk(lq), chunk(sq), lk_c, sk_c, v1_c, tau_p, prefix
 
 
@@ -283,29 +286,47 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     return out.reshape(b, h, n * c, -1)[:, :, :l], scale.reshape(b, h, n * c)[:, :, :l]
 
 
-def _causal_exact(lq, sq, lk, sk, v1, anchor, block):
-    """Blocks of `block` tokens: the prefix of earlier blocks through states on their causal scale τ_n
-    (as the fast path), the diagonal block in log space: for j ≤ i in the block the terms
-    exp(l_q(i, f) + l_k(j, f) − c_i) are formed one by one, with c_i the maximum over the prefix
-    (l_q + τ_n) and over those terms — every term ≤ 1 and the largest = 1, for any inputs."""
+def _causal_exact(lq, sq, lk, sk, v1, anchor, block, chunk_size):
+    """Exact for any input: chunks of `chunk_size` tokens, each meeting the prefix of earlier chunks
+    through states on their causal scale τ_n (as the fast path), and within the chunk blocks of `block`
+    tokens whose diagonal blocks are formed in log space (`_exact_chunk`). The chunks run one at a time
+    (lax.map) under jax.checkpoint, so neither the forward nor the backward ever holds more than one
+    chunk's [block, block, F] terms: the path's memory is that of the fast path, whatever L."""
     b, h, l, f = lq.shape
+    size = block * -(-min(chunk_size, l) // block)                  # a whole number of blocks
     c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(
-        lq, sq, lk, sk, v1, anchor, block)
+        lq, sq, lk, sk, v1, anchor, size)
+    first = lambda a: None if a is None else jnp.moveaxis(a, 2, 0)
+    body = jax.checkpoint(lambda xs: _exact_chunk(*xs, block))
+    out, ci = jax.lax.map(body, tuple(map(first, (lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix))))
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, -1)[:, :, :l]
+    ci = jnp.moveaxis(ci, 0, 2).reshape(b, h, n * c)[:, :, :l]
+    # the scale is −inf for queries before the first valid key: τ of the first block is the anchor,
+    # which such a query has not seen, so c_i there is no term's size (the row is all zeros)
+    seen = _has_mass(lk).any(-1)[..., None] & (jnp.arange(l) >= jnp.argmax(_has_mass(lk), -1)[..., None])
+    return out, jnp.where(seen, ci, NEG_INF)
+
+
+def _exact_chunk(lq, sq, lk, sk, v1, tau0, start, block):
+    """One chunk [B, H, C, ·] (C a multiple of `block`) after a prefix `start` on scale τ0: blocks of
+    `block` tokens, the prefix of earlier blocks through states, the diagonal block in log space: for
+    j ≤ i in the block the terms exp(l_q(i, f) + l_k(j, f) − c_i) are formed one by one, with c_i the
+    maximum over the prefix (l_q + τ_n) and over those terms — every term ≤ 1 and the largest = 1, for
+    any inputs. Returns (out [B, H, C, Dv+1], c_i [B, H, C])."""
+    b, h, l, f = lq.shape
+    c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(lq, sq, lk, sk, v1, tau0, block,
+                                                                            start)
     lqt = jnp.where(jnp.isfinite(tau_p)[:, :, :, None], lq_c + _finite_or(tau_p)[:, :, :, None], NEG_INF)
     tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
     pair = jnp.where(tril, lq_c[:, :, :, :, None, :] + lk_c[:, :, :, None, :, :], NEG_INF)   # [B,H,N,i,j,F]
     ci = sg(_finite_or(jnp.maximum(jnp.max(lqt, axis=-1), jnp.max(pair, axis=(-2, -1)))))
-    # the scale is −inf for queries before the first valid key: τ of the first block is the anchor,
-    # which such a query has not seen, so c_i there is no term's size (the row is all zeros)
-    seen = _has_mass(lk).any(-1)[..., None] & (jnp.arange(l) >= jnp.argmax(_has_mass(lk), -1)[..., None])
-    scale = jnp.where(seen, ci.reshape(b, h, n * c)[:, :, :l], NEG_INF)
     fq = _with_sign(jnp.exp(lqt - ci[..., None]), sq_c)
     terms = jnp.exp(pair - ci[..., None, None])
     if sq_c is not None:
         terms = terms * sq_c[:, :, :, :, None, :] * sk_c[:, :, :, None, :, :]
     scores = jnp.sum(terms, axis=-1)
     out = jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c)
-    return out.reshape(b, h, n * c, -1)[:, :, :l], scale
+    return out.reshape(b, h, n * c, -1)[:, :, :l], ci.reshape(b, h, n * c)[:, :, :l]
 
 
 # -- decoding -----------------------------------------------------------------------------------------

@@ -151,6 +151,8 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
     lq, lk, x, y, v = (a.astype(F32) for a in (lq, lk, x, y, v))
     key = jnp.ones(lk.shape[:2], bool) if valid is None else jnp.broadcast_to(
         jnp.asarray(valid, bool)[:, None], lk.shape[:2])
+    if sk is not None:              # a per-row log-scale (trig, HRF) is kept per feature in the buffer
+        lk = jnp.broadcast_to(lk, sk.shape)
     lk = jnp.where(key[..., None], lk, NEG_INF)
     old_lk = jnp.where(state["key"][..., 0, None], state["lk"][:, :, 0], NEG_INF)
     lin = linear.decode_absorb({"tau": state["tau"], "sum": state["sum"]}, old_lk,

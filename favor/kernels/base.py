@@ -11,9 +11,13 @@ A mechanism turns two sets of vectors into features whose inner product estimate
     fy = mech.key_features(y, w, params)        # [..., Ly, F]
     fx @ fy.T                                   # unbiased estimate of exp(x @ y.T)
 
-Features are computed in log space: `*_log_features` return (log|f|, sign) with sign None for
-mechanisms whose features are positive. The attention layer subtracts its stabilisers from
-log|f| before exponentiating; the plain `*_features` methods exponentiate directly.
+Features are computed in log space: `*_log_features` return (log-part, multiplier) with
+f = exp(log-part) · multiplier. Either the log-part is log|f| [..., L, F] and the multiplier a sign (None
+for mechanisms whose features are positive), or, for maps whose only unbounded factor is per row
+(trig's e^{||u||²/2}, HRF), the log-part is a per-row log-scale [..., L, 1] and the multiplier holds the
+bounded feature values (|value| ≤ 1). The attention layer subtracts its stabilisers from the log-part
+before exponentiating (one exp per row in the second form); the plain `*_features` methods
+exponentiate directly.
 
 Shapes: x [..., Lx, d], y [..., Ly, d]; leading dimensions (batch, heads) broadcast through
 fit, draw and the feature maps. Masks are [..., L] booleans (True = a real row).

@@ -70,13 +70,6 @@ def _trig_block(u, w):
     return la + 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(m), sg
 
 
-def _outer(la_r, sg_r, la_f, sg_f):
-    """(log|ρ⊗φ|, sign) flattened over the last two axes."""
-    la = la_r[..., :, None] + la_f[..., None, :]
-    sg = sg_r[..., :, None] * sg_f[..., None, :]
-    return la.reshape(*la.shape[:-2], -1), sg.reshape(*sg.shape[:-2], -1)
-
-
 def _lemma22_log_mse(x, y):
     """log of (2m)·MSE for Ŝ₊₊ and Ŝ_trig (HRF Lemma 2.2), every pair."""
     sq_x = jnp.sum(x * x, -1)[..., :, None]
@@ -151,21 +144,27 @@ class Hybrid(_HybridBase):
         return (2 * num_features) * (r + 1 + (1 if self.a > 0 else 0)) + 2 * num_features * r
 
     def _features(self, u, w, params, side):
+        """(log-scale [..., L, 1], values [..., L, F]) with |values| ≤ 1 (base.py's second form): each base
+        block as e^{its row scale} · bounded values (the positive block normalised by its row maximum, the
+        trig block by its norm factor), both brought to the larger scale, and the ρ⊗ blocks formed by
+        multiplying values, so no exp or log touches the [L, F] features. (A block far below the other
+        underflows to 0: below the float32 rounding of the other's terms, which the estimate adds.)"""
         u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
         lp = _positive_block(u, w.pos)
-        sp = jnp.ones_like(lp)
-        lt, st = _trig_block(u, w.trig)
+        scale_p = jax.lax.stop_gradient(jnp.max(lp, -1, keepdims=True))
+        proj = u @ jnp.swapaxes(w.trig.omega, -1, -2)
+        vt = jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], -1)
+        scale_t = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.trig.omega.shape[-2])
+        scale = jax.lax.stop_gradient(jnp.maximum(scale_p, scale_t))
+        vp = jnp.exp(lp - scale)                                   # ≤ 1: scale ≥ the block's maximum
+        vt = vt * jnp.exp(scale_t - scale)
         lr, sr = self._rho(u, w, side)
-        op_la, op_sg = _outer(lr, sr, lp, sp)
-        ot_la, ot_sg = _outer(lr, sr, lt, st)
+        rho = sr * jnp.exp(lr)                                      # |ρ| ≤ 1
+        outer = lambda r, f: (r[..., :, None] * f[..., None, :]).reshape(*f.shape[:-1], -1)
         neg = -1.0 if side == "q" else 1.0
-        blocks_la, blocks_sg = [], []
-        if self.a > 0:
-            blocks_la.append(lp + 0.5 * math.log(self.a))
-            blocks_sg.append(sp)
-        blocks_la += [op_la, lt + 0.5 * math.log(1.0 - self.a), ot_la]
-        blocks_sg += [op_sg, st, neg * ot_sg]
-        return jnp.concatenate(blocks_la, -1), jnp.concatenate(blocks_sg, -1)
+        blocks = [math.sqrt(self.a) * vp] if self.a > 0 else []
+        blocks += [outer(rho, vp), math.sqrt(1.0 - self.a) * vt, neg * outer(rho, vt)]
+        return scale, jnp.concatenate(blocks, -1)
 
     def variance(self, x, y, params, num_features, coupling="iid"):
         """Theorem 3.1: MSE = E[λ̂²]·MSE₊₊ + E[(1−λ̂)²]·MSE_trig (independent base estimators)."""

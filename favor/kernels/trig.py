@@ -44,12 +44,14 @@ class Trig(SymmetricMechanism):
         return 2 * num_features
 
     def log_features(self, u, w, params):
+        """(log-scale [..., L, 1], values [..., L, 2M]): φ = e^scale · [sin, cos]. Only the norm factor
+        needs log space; the bounded sin/cos stay as they are (no log|sin| and exp back: the attention
+        layer exponentiates one scalar per row)."""
         u = check_rows(u, params.dim, "trig features").astype(jnp.float32)
         proj = u @ jnp.swapaxes(w.omega, -1, -2)
         trig = jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], axis=-1)
-        log_trig, sign = log_abs_sign(trig)
-        log_abs = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.omega.shape[-2]) + log_trig
-        return log_abs, sign
+        scale = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.omega.shape[-2])
+        return scale, trig
 
     def log_second_moment(self, x, y, params):
         """One frequency's estimate is e^{(||x||²+||y||²)/2} cos(ωᵀ(x − y)); E cos² = (1 + e^{−2||Δ||²})/2."""
