@@ -10,6 +10,7 @@ import pytest
 
 import reference
 from favor import attention, configlib
+from favor.attention import window as window_lib
 from test_attention import RF_KINDS, calibration_stats, context_of, key_mask, make, qkv
 
 
@@ -110,6 +111,20 @@ def test_causal_invariants(kind):
         a = np.asarray(attn(q, k, v, causal=True, stats=stats))
         b = np.asarray(attn(q, k2, v2, causal=True, stats=stats))
         np.testing.assert_array_equal(a[:, :t + 1], b[:, :t + 1], err_msg=path)
+
+
+def test_a_window_wider_than_the_sequence_is_the_whole_sequence():
+    """w ≫ L gives what w = L − 1 gives (exact softmax), with the band's blocks sized by L, not w."""
+    q, k, v = qkv(lq=8, lk=8)
+    for causal in (False, True):
+        wide = make("favor+", window=4096)(q, k, v, causal=causal)
+        exact = attention.get("softmax")(q, k, v, causal=causal)
+        np.testing.assert_allclose(np.asarray(wide), np.asarray(exact), rtol=1e-5, atol=1e-6)
+    x = jnp.zeros((1, 1, 8, 4))
+    lowered = jax.jit(lambda x: window_lib._band(x, x, x, jnp.ones((1, 1, 8), bool), 4096, 4096)).lower(x)
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    small = jax.jit(lambda x: window_lib._band(x, x, x, jnp.ones((1, 1, 8), bool), 7, 7)).lower(x)
+    assert temp <= small.compile().memory_analysis().temp_size_in_bytes
 
 
 def test_length_one_and_empty_rows():

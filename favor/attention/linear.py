@@ -256,11 +256,15 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     every factor ≤ 1, the denominator ≥ e^(−α_i), and each product Q̂K̂ at least its true value: exact
     while every a_j ≤ FAST_EXCEEDANCE. Returns (out [B, H, L, Dv+1], its log-scale β_i + α_i)."""
     b, h, l, f = lq.shape
-    c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(
-        lq, sq, lk, sk, v1, anchor, chunk_size)
+    c = min(chunk_size, l)
+    chunk = lambda a: None if a is None else _chunks(a, c)
+    lq_c, sq_c, lk_c, sk_c, v1_c = chunk(lq), chunk(sq), _key_chunks(lk, c), chunk(sk), chunk(v1)
+    n = lk_c.shape[2]
+    tau_p = _fast_references(lk_c, anchor)                          # [B, H, N, F], −inf: no key at all
     tau = _finite_or(tau_p)[:, :, :, None]                          # [B, H, N, 1, F]
     a = sg(jnp.max(lk_c - tau, axis=-1))                            # [B, H, N, C], −inf: no key
     fk = _with_sign(jnp.exp(lk_c - tau - _finite_or(a)[..., None]), sk_c)
+    prefix = _fast_prefix(fk, a, v1_c, tau_p)
     beta = sg(_finite_or(jnp.max(lq_c + tau, axis=-1)))            # [B, H, N, C]
     fq = _with_sign(jnp.exp(lq_c + tau - beta[..., None]), sq_c)
 
@@ -284,6 +288,29 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     out = (jnp.exp(-alpha)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix)
            + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c))
     return out.reshape(b, h, n * c, -1)[:, :, :l], scale.reshape(b, h, n * c)[:, :, :l]
+
+
+def _fast_prefix(fk, a, v1_c, tau_p):
+    """P_n [B, H, N, F, Dv+1] = Σ_{j in chunks < n} exp(l_k(j) − τ_n)·sign·[v_j, 1], from the keys the fast
+    path has already exponentiated (K̂_j = exp(l_k(j) − τ_n − a_j)): chunk n's own sum on its scale τ_n is
+    Σ_j K̂_j e^(a_j)[v_j, 1] (e^(a_j) ≤ e^FAST_EXCEEDANCE where the path is exact; clamped below float32's
+    overflow outside it), and a scan carries the running sum from τ_n to τ_(n+1) ≥ τ_n. One exp over
+    the keys instead of two."""
+    w = jnp.where(jnp.isfinite(a), jnp.exp(jnp.minimum(a, 80.0)), 0.0)
+    states = jnp.einsum("bhncd,bhncf->bhnfd", v1_c * w[..., None], fk)
+    # the scales as the keys used them: a feature no key has reached yet is on scale 0 (then τ may fall,
+    # for ReLU-like maps with −inf features; clamped below overflow)
+    tau = _finite_or(tau_p)
+    nxt = jnp.concatenate([tau[:, :, 1:], tau[:, :, -1:]], axis=2)
+    carry = jnp.exp(jnp.minimum(tau - nxt, 80.0))                  # [B, H, N, F]
+
+    def step(total, x):
+        s_n, keep = x
+        return (total + s_n) * keep[..., None], total
+
+    move = lambda t: jnp.moveaxis(t, 2, 0)
+    _, prefix = jax.lax.scan(step, jnp.zeros_like(states[:, :, 0]), (move(states), move(sg(carry))))
+    return jnp.moveaxis(prefix, 0, 2)
 
 
 def _causal_exact(lq, sq, lk, sk, v1, anchor, block, chunk_size):

@@ -66,6 +66,9 @@ def _band(x, y, v1, has_key, left, right):
 
     Blocks of c ≥ max(left, right) queries; block n meets key blocks n − ⌈left/c⌉ .. n + ⌈right/c⌉."""
     b, h, l, d = x.shape
+    # a band wider than the sequence is the whole sequence: clamped, so the cost follows L, not w (a model
+    # configured with a large window still runs short sequences and 1-token prefills cheaply)
+    left, right = min(left, l - 1), min(right, l - 1)
     c = min(l, max(left, right, MIN_BLOCK))
     n = -(-l // c)
     before, after = -(-left // c), -(-right // c)
