@@ -11,7 +11,7 @@ import pytest
 import reference
 from favor import attention, configlib
 from favor.attention import window as window_lib
-from test_attention import RF_KINDS, calibration_stats, context_of, key_mask, make, qkv
+from test_attention import calibration_stats, context_of, key_mask, make, qkv
 
 
 def check(attn, q, k, v, mask, causal, rng=None, stats=None, rtol=2e-4):
@@ -27,8 +27,13 @@ def check(attn, q, k, v, mask, causal, rng=None, stats=None, rtol=2e-4):
     return out, ref
 
 
+# one kind per feature form: positive (favor+), data-dependent (favor#), signed per-row scale (favor),
+# mixed blocks (hrf); favor++ and simrf share favor+'s form and the window code
+FORMS = ["favor+", "favor#", "favor", "hrf"]
+
+
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", RF_KINDS)
+@pytest.mark.parametrize("kind", FORMS)
 def test_equals_the_explicit_form_with_padding(kind, causal):
     """L = 9 with chunks of 4 and w = 2: the band crosses chunk boundaries, padded keys inside it."""
     attn = make(kind, chunk_size=4, window=2)
@@ -37,11 +42,11 @@ def test_equals_the_explicit_form_with_padding(kind, causal):
           stats=calibration_stats(attn, 8) if causal else None)
 
 
-@pytest.mark.parametrize("window", [1, 5, 20])
+@pytest.mark.parametrize("window", [1, 20])
 @pytest.mark.parametrize("causal", [False, True])
 def test_windows_narrower_and_wider_than_a_chunk(window, causal):
-    """Band blocks of 16 queries against 1 or 2 neighbouring blocks (w = 1, 5) or 2 blocks each side
-    (w = 20 > the block), L = 37: a partial last block."""
+    """Band blocks of 16 queries against one neighbouring block (w = 1) or two each side (w = 20 > the
+    block), L = 37: a partial last block."""
     attn = make("favor+", chunk_size=8, window=window)
     q, k, v = qkv(lq=37, lk=37, seed=2)
     mask = np.ones((2, 37), bool)
@@ -79,12 +84,11 @@ def test_tends_to_exact_softmax_as_the_window_grows(causal):
     l = 24
     q, k, v = qkv(b=1, lq=l, lk=l, scale=1.0, seed=7)
     exact = np.asarray(attention.get("softmax")(q, k, v, causal=causal))
-    errors = {}
+    errors, keys = {}, jax.random.split(jax.random.PRNGKey(0), 16)
     for w in (0, 4, 12, l - 1):
         attn = make("favor+", chunk_size=8, window=w)
-        errs = [np.abs(np.asarray(attn(q, k, v, causal=causal, rng=jax.random.PRNGKey(s))) - exact).mean()
-                for s in range(16)]
-        errors[w] = float(np.mean(errs))
+        outs = jax.jit(jax.vmap(lambda key: attn(q, k, v, causal=causal, rng=key)))(keys)
+        errors[w] = float(np.abs(np.asarray(outs) - exact[None]).mean())
     assert errors[0] > errors[4] > errors[12], errors
     assert errors[l - 1] < 1e-6, errors
 
@@ -165,7 +169,7 @@ def test_padded_keys_change_neither_outputs_nor_gradients(causal):
         np.testing.assert_array_equal(np.where(valid, 0, np.asarray(g)), 0.0)
 
 
-@pytest.mark.parametrize("kind", ["favor+", "favor", "favor#"])
+@pytest.mark.parametrize("kind", ["favor+", "favor"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_equal_those_of_the_explicit_form(kind, causal):
     """Gradients to q, k, v equal the autodiff of the explicit L×L form in float64
@@ -185,7 +189,7 @@ def test_gradients_equal_those_of_the_explicit_form(kind, causal):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("kind", RF_KINDS)
+@pytest.mark.parametrize("kind", FORMS)
 def test_decoding_step_equals_causal_pass(kind):
     """Token by token (the band's keys kept exactly, the leaving key absorbed) equals the causal pass;
     a padded token included."""
