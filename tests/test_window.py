@@ -80,16 +80,16 @@ def test_bf16_inputs():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_tends_to_exact_softmax_as_the_window_grows(causal):
-    """The mean (over 16 draws) error against softmax falls as w grows, and w = L − 1 is softmax."""
-    l = 24
+    """The mean (over 8 draws) error against softmax falls as w grows, and w = L − 1 is softmax."""
+    l = 16
     q, k, v = qkv(b=1, lq=l, lk=l, scale=1.0, seed=7)
     exact = np.asarray(attention.get("softmax")(q, k, v, causal=causal))
-    errors, keys = {}, jax.random.split(jax.random.PRNGKey(0), 16)
-    for w in (0, 4, 12, l - 1):
+    errors, keys = {}, jax.random.split(jax.random.PRNGKey(0), 8)
+    for w in (0, 3, 8, l - 1):
         attn = make("favor+", chunk_size=8, window=w)
         outs = jax.jit(jax.vmap(lambda key: attn(q, k, v, causal=causal, rng=key)))(keys)
         errors[w] = float(np.abs(np.asarray(outs) - exact[None]).mean())
-    assert errors[0] > errors[4] > errors[12], errors
+    assert errors[0] > errors[3] > errors[8], errors
     assert errors[l - 1] < 1e-6, errors
 
 
