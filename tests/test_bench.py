@@ -7,15 +7,16 @@ from favor import bench
 
 def test_bench_attention_writes_table_and_json(tmp_path):
     (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n\nkept text\n")
-    bench.main(["attention", "--lengths", "64", "--kinds", "softmax,favor+,favor#:saderf",
+    # a variant and a window in one spec: the parsing both need
+    bench.main(["attention", "--lengths", "64", "--kinds", "softmax,favor#:saderf@4",
                 "--repeats", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench" / "attention.json").read_text())
     kinds = {(r["kind"], r["causal"]) for r in data["rows"]}
-    assert kinds == {(k, c) for k in ("softmax", "favor+", "favor#:saderf") for c in (False, True)}
+    assert kinds == {(k, c) for k in ("softmax", "favor#:saderf@4") for c in (False, True)}
     for r in data["rows"]:
         assert r["fwd"]["seconds"] > 0 and r["fwd_bwd"]["flops"] > 0
     md = (tmp_path / "BENCHMARKS.md").read_text()
-    assert "kept text" in md and "| 64 | causal | favor#:saderf |" in md
+    assert "kept text" in md and "| 64 | causal | favor#:saderf@4 |" in md
     # a second run replaces its section instead of appending another
     bench.main(["attention", "--lengths", "64", "--kinds", "softmax", "--repeats", "1", "--out", str(tmp_path)])
     assert (tmp_path / "BENCHMARKS.md").read_text().count("attention-benchmark:begin") == 1
