@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from favor import attention as attention_lib, configlib
-from favor.models.layers import SelfAttention, rotary
+from favor.models.layers import SelfAttention
 
 DEFAULT_KINDS = ("softmax", "favor", "favor+", "favor++", "favor#")
 VARIANT_KEY = {"favor#": "variant", "hrf": "lambda_", "simrf": "features"}
@@ -101,16 +101,6 @@ def _layers(module):
     return [(tuple(path), m) for path, m in nnx.iter_graph(module) if isinstance(m, SelfAttention)]
 
 
-def _qkv(layer, x, positions):
-    b, l, _ = x.shape
-    split = lambda t: t.reshape(b, l, layer.heads, layer.head_dim)
-    q, k, v = split(layer.query(x)), split(layer.key(x)), split(layer.value(x))
-    if layer.use_rotary:
-        pos = jnp.arange(l) if positions is None else positions
-        q, k = rotary(q, pos), rotary(k, pos)
-    return q, k, v
-
-
 def _relative_variance(attn, q, k, mask, ctx):
     """Mean over valid pairs (and the batch) of Var/exp(xᵀy)², per head [H]; None without a formula."""
     if not isinstance(attn, attention_lib.RandomFeatureAttention) or attn.window:
@@ -174,7 +164,7 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
             for p in path:
                 node = node[p]
             x, mask, positions, _ = node["transfer"].get_value()[0]
-            q, k, v = _qkv(layer, x, positions)
+            q, k, v = layer.project(x, positions)
             tokens = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask, bool)
             if "valid" in batch:
                 tokens = tokens & jnp.asarray(batch["valid"], bool)[:, None]

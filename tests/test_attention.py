@@ -360,8 +360,13 @@ def test_gradients_equal_those_of_the_explicit_form(kind, mode):
     features (reference.explicit_attention: no stabiliser, chunk, scan or guard), with padding, L = 9 in
     chunks of 4. ("causal" runs "auto": the fast path on these inputs, the exact one for relu/elu.)
     This once failed: the causal prefix states' chunk maxima carried gradient the rescaling did not."""
-    causal = mode != "bidirectional"
     attn = make(kind, chunk_size=4, **({"causal_path": "exact"} if mode == "causal-exact" else {}))
+    check_gradients_against_explicit(attn, causal=mode != "bidirectional")
+
+
+def check_gradients_against_explicit(attn, causal, window=0):
+    """d/d(q, k, v) of a random projection of the output (L = 9, padding) against float64 autodiff of
+    reference.explicit_attention (the same ω and fit; window > 0: the band exact)."""
     q, k, v = qkv(seed=6)
     mask, rng = key_mask(), jax.random.PRNGKey(0)
     stats = calibration_stats(attn, 8) if causal else None
@@ -370,10 +375,11 @@ def test_gradients_equal_those_of_the_explicit_form(kind, mode):
     got = jax.grad(loss(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)),
                    (0, 1, 2))(q, k, v)
     with jax.enable_x64(True):
-        want = jax.grad(loss(lambda q, k, v: reference.explicit_attention(attn, q, k, v, mask, causal, rng, stats)),
-                        (0, 1, 2))(q, k, v)
+        want = jax.grad(loss(lambda q, k, v: reference.explicit_attention(attn, q, k, v, mask, causal, rng, stats,
+                                                                          window=window)), (0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4, err_msg=f"{kind} {mode} d{name}")
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4,
+                                   err_msg=f"{attn.name} causal={causal} window={window} d{name}")
 
 
 @pytest.mark.parametrize("kind", ["favor", "hrf"])

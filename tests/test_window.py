@@ -11,7 +11,7 @@ import pytest
 import reference
 from favor import attention, configlib
 from favor.attention import window as window_lib
-from test_attention import calibration_stats, context_of, key_mask, make, qkv
+from test_attention import calibration_stats, check_gradients_against_explicit, context_of, key_mask, make, qkv
 
 
 def check(attn, q, k, v, mask, causal, rng=None, stats=None, rtol=2e-4):
@@ -174,19 +174,7 @@ def test_padded_keys_change_neither_outputs_nor_gradients(causal):
 def test_gradients_equal_those_of_the_explicit_form(kind, causal):
     """Gradients to q, k, v equal the autodiff of the explicit L×L form in float64
     (reference.explicit_attention: the band's exp(qᵀk/√D), φ_qᵀφ_k elsewhere, same ω), with padding."""
-    attn = make(kind, chunk_size=4, window=2)
-    q, k, v = qkv(seed=6)
-    mask, rng = key_mask(), jax.random.PRNGKey(0)
-    stats = calibration_stats(attn, 8) if causal else None
-    weights = jax.random.normal(jax.random.PRNGKey(1), v.shape)
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * weights)
-    got = jax.grad(loss(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)),
-                   (0, 1, 2))(q, k, v)
-    with jax.enable_x64(True):
-        want = jax.grad(loss(lambda q, k, v: reference.explicit_attention(
-            attn, q, k, v, mask, causal, rng, stats, window=2)), (0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4, err_msg=name)
+    check_gradients_against_explicit(make(kind, chunk_size=4, window=2), causal, window=2)
 
 
 @pytest.mark.parametrize("kind", FORMS)

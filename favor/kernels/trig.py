@@ -10,7 +10,7 @@ import math
 
 import jax.numpy as jnp
 
-from favor.kernels.base import (SymmetricMechanism, check_num_features, check_rows, check_sets, log_abs_sign, pytree_dataclass, static)
+from favor.kernels.base import (SymmetricMechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static)
 from favor.kernels.couplings import check_coupling, draw as draw_projections
 
 

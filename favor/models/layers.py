@@ -127,14 +127,20 @@ class SelfAttention(nnx.Module):
         if self.features is not None:
             self.features.set_value(self.kind.base_draw(key, self.head_dim))
 
-    def __call__(self, x, mask=None, *, deterministic: bool = True, positions=None):
-        """x [B, L, hidden], mask [B, L] (True = token) -> [B, L, hidden]."""
+    def project(self, x, positions=None):
+        """x [B, L, hidden] -> q, k, v [B, L, heads, head_dim] (rotary positions applied to q and k)."""
         b, l, _ = x.shape
         split = lambda t: t.reshape(b, l, self.heads, self.head_dim)
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         if self.use_rotary:
             pos = jnp.arange(l) if positions is None else positions
             q, k = rotary(q, pos), rotary(k, pos)
+        return q, k, v
+
+    def __call__(self, x, mask=None, *, deterministic: bool = True, positions=None):
+        """x [B, L, hidden], mask [B, L] (True = token) -> [B, L, hidden]."""
+        b, l, _ = x.shape
+        q, k, v = self.project(x, positions)
         key_mask = None if mask is None else jnp.asarray(mask, bool)
         if not deterministic and self.key_dropout.rate > 0:
             kept = self.key_dropout(jnp.ones((b, l), jnp.float32), deterministic=False) > 0
