@@ -95,3 +95,27 @@ def test_importance_sampling_lowers_mean_variance_on_gaussian_data():
         v0 = np.asarray(plain.variance(x, y, plain.fit(x, y), 1)).mean()
         v1 = np.asarray(weighted.variance(x, y, weighted.fit(x, y), 1)).mean()
         assert v1 < v0, f"{name}: importance sampling raised the mean variance {v0} -> {v1}"
+
+
+# -- the polynomial sin/cos of the trigonometric features (favor/kernels/sincos.py) ----------------------
+def test_sincos_matches_float64_over_the_reduction_range_and_beyond():
+    from favor.kernels.sincos import sincos
+    xs = np.concatenate([np.linspace(-20, 20, 40001), np.linspace(-1e5, 1e5, 40001),
+                         [0.0, np.pi / 4, np.pi / 2, -np.pi, 1e5 - 1, -1e5 + 1]]).astype(np.float32)
+    s, c = (np.asarray(a, np.float64) for a in sincos(jnp.asarray(xs)))
+    x64 = xs.astype(np.float64)
+    assert np.max(np.abs(s - np.sin(x64))) < 2e-7 and np.max(np.abs(c - np.cos(x64))) < 2e-7
+    big = np.array([3e5, -7e6, 1e9, 12.5], np.float32)     # past the exact reduction: the jnp fallback
+    s, c = (np.asarray(a, np.float64) for a in sincos(jnp.asarray(big)))
+    np.testing.assert_allclose(s, np.sin(big.astype(np.float64)), atol=1e-3)
+    np.testing.assert_allclose(c, np.cos(big.astype(np.float64)), atol=1e-3)
+
+
+def test_sincos_derivatives_are_cos_and_minus_sin():
+    from favor.kernels.sincos import sincos
+    x = jnp.linspace(-30.0, 30.0, 301)
+    ds = jax.vmap(jax.grad(lambda t: sincos(t)[0]))(x)
+    dc = jax.vmap(jax.grad(lambda t: sincos(t)[1]))(x)
+    x64 = np.asarray(x, np.float64)
+    np.testing.assert_allclose(np.asarray(ds), np.cos(x64), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(dc), -np.sin(x64), atol=2e-6)

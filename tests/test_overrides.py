@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from favor import configlib
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -103,7 +104,7 @@ CLI = {
 
 
 def test_train_py_ends_with_one_line_naming_the_key(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     procs = {}
     for name, (flags, _) in CLI.items():
         config = "configs/default.py:" + ("runlocall" if name == "config arg" else "runlocal")

@@ -132,7 +132,8 @@ def test_sharded_layouts_on_8_devices_match_one_device(tmp_path):
     layouts = {"data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},
                "mixed": {"data": 2, "fsdp": 2, "tensor": 2}}
     script = LAYOUTS_SCRIPT.format(root=str(ROOT), layouts=layouts, tmp=str(tmp_path))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    from conftest import xla_flags     # here, not at the top: LAYOUTS_SCRIPT imports this module
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])

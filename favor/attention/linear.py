@@ -86,15 +86,26 @@ def bidirectional(lq, sq, lk, sk, v, valid=None, positive=True):
     lk = _mask_keys(lk.astype(F32), valid)
     tau = sg(jnp.max(lk, axis=-2, keepdims=True))                 # [B, H, 1, F]: per-feature key max
     has = jnp.isfinite(tau)                                       # features some valid key carries
-    fk = _with_sign(jnp.exp(lk - _finite_or(tau)), sk)            # ≤ 1; padded keys exactly 0
     lqt = jnp.where(has, lq.astype(F32) + tau, NEG_INF)          # query log-features on the key scale
     c = _finite_or(sg(jnp.max(lqt, axis=-1, keepdims=True)))      # the key-aware query stabiliser
+    if _row_scaled(lk, sk):
+        # one scale per row: the keys' scales weight the rows of [V, 1] ([L, Dv+1]) and the query's
+        # (exp(lqt − c) ∈ {0, 1}) its output row, so no pass over the [L, F] values is spent on them
+        v1 = _ones_column(v) * jnp.exp(lk - _finite_or(tau))     # padded keys: weight exactly 0
+        vk = jnp.einsum("bhld,bhlf->bhdf", v1, sk.astype(F32))
+        return _ratio(jnp.einsum("bhlf,bhdf->bhld", sq.astype(F32), vk) * jnp.exp(lqt - c), positive)
+    fk = _with_sign(jnp.exp(lk - _finite_or(tau)), sk)            # ≤ 1; padded keys exactly 0
     fq = _with_sign(jnp.exp(lqt - c), sq)                         # ≤ 1, = 1 at the maximising feature
     # [V,1]ᵀΦ_k rather than Φ_kᵀ[V,1]: XLA:CPU then contracts L without transposing the [L, F] array;
     # the ones column carries the normaliser through the same pass.
     vk = jnp.einsum("bhld,bhlf->bhdf", _ones_column(v), fk)
     out = jnp.einsum("bhlf,bhdf->bhld", fq, vk)
     return _ratio(out, positive)
+
+
+def _row_scaled(lk, sk):
+    """The per-row form (favor.kernels.base): a log-scale [.., L, 1] and bounded values [.., L, F]."""
+    return sk is not None and lk.shape[-1] == 1 and sk.shape[-1] > 1
 
 
 # -- causal -------------------------------------------------------------------------------------------
@@ -263,10 +274,19 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     tau_p = _fast_references(lk_c, anchor)                          # [B, H, N, F], −inf: no key at all
     tau = _finite_or(tau_p)[:, :, :, None]                          # [B, H, N, 1, F]
     a = sg(jnp.max(lk_c - tau, axis=-1))                            # [B, H, N, C], −inf: no key
-    fk = _with_sign(jnp.exp(lk_c - tau - _finite_or(a)[..., None]), sk_c)
-    prefix = _fast_prefix(fk, a, v1_c, tau_p)
     beta = sg(_finite_or(jnp.max(lq_c + tau, axis=-1)))            # [B, H, N, C]
-    fq = _with_sign(jnp.exp(lq_c + tau - beta[..., None]), sq_c)
+    row = _row_scaled(lk, sk)
+    if row:
+        # one scale per row: exp(l_k − τ − a_j) and exp(l_q + τ − β_i) are 1 in value, so the bounded
+        # values serve as the features as they are, and those factors ([.., C, 1]: they carry the scales'
+        # gradients) weight the rows of [V, 1] and of the output instead of the [C, F] values
+        fk, fq = sk_c.astype(F32), sq_c.astype(F32)
+        v1_c = v1_c * _unit(lk_c - tau - _finite_or(a)[..., None])
+        q_unit = _unit(lq_c + tau - beta[..., None])
+    else:
+        fk = _with_sign(jnp.exp(lk_c - tau - _finite_or(a)[..., None]), sk_c)
+        fq = _with_sign(jnp.exp(lq_c + tau - beta[..., None]), sq_c)
+    prefix = _fast_prefix(fk, a, v1_c, tau_p)
 
     # α_i: is the anchor (first valid key) before this chunk? then the prefix holds mass at scale 0
     pos = jnp.arange(n * c).reshape(n, c)
@@ -287,7 +307,16 @@ def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
     scores = jnp.einsum("bhnif,bhnjf->bhnij", fq, fk) * jnp.exp(log_w)
     out = (jnp.exp(-alpha)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix)
            + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c))
+    if row:
+        out = out * q_unit
     return out.reshape(b, h, n * c, -1)[:, :, :l], scale.reshape(b, h, n * c)[:, :, :l]
+
+
+def _unit(log_one):
+    """exp of a [.., 1] log-factor that is 0 where finite (−inf: a row without mass, → 0), with its
+    gradient: 1 in value, d/dx = 1, and no inf reaching the backward pass."""
+    finite = jnp.isfinite(log_one)
+    return jnp.where(finite, jnp.exp(jnp.where(finite, log_one, 0.0)), 0.0)
 
 
 def _fast_prefix(fk, a, v1_c, tau_p):

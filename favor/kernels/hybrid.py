@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from favor.kernels.base import (Mechanism, check_num_features, check_rows, check_sets, log_abs_sign, pytree_dataclass, static)
 from favor.kernels.couplings import Projections, check_coupling, draw as draw_projections
 from favor.kernels import stats
+from favor.kernels.sincos import sin_cos_features
 
 KMEANS_ITERS = 10
 ZERO_LOG = -1e4   # log of an exact zero feature (exp underflows to 0.0 in float32)
@@ -66,7 +67,7 @@ def _positive_block(u, w):
 def _trig_block(u, w):
     proj = u @ jnp.swapaxes(w.omega, -1, -2)
     m = w.omega.shape[-2]
-    la, sg = _log_abs_sign(jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], -1))
+    la, sg = _log_abs_sign(sin_cos_features(proj))
     return la + 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(m), sg
 
 
@@ -153,7 +154,7 @@ class Hybrid(_HybridBase):
         lp = _positive_block(u, w.pos)
         scale_p = jax.lax.stop_gradient(jnp.max(lp, -1, keepdims=True))
         proj = u @ jnp.swapaxes(w.trig.omega, -1, -2)
-        vt = jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], -1)
+        vt = sin_cos_features(proj)
         scale_t = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.trig.omega.shape[-2])
         scale = jax.lax.stop_gradient(jnp.maximum(scale_p, scale_t))
         vp = jnp.exp(lp - scale)                                   # ≤ 1: scale ≥ the block's maximum

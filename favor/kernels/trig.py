@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from favor.kernels.base import (SymmetricMechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static)
 from favor.kernels.couplings import check_coupling, draw as draw_projections
+from favor.kernels.sincos import sin_cos_features
 
 
 @pytree_dataclass
@@ -49,7 +50,7 @@ class Trig(SymmetricMechanism):
         layer exponentiates one scalar per row)."""
         u = check_rows(u, params.dim, "trig features").astype(jnp.float32)
         proj = u @ jnp.swapaxes(w.omega, -1, -2)
-        trig = jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], axis=-1)
+        trig = sin_cos_features(proj)
         scale = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.omega.shape[-2])
         return scale, trig
 
