@@ -46,6 +46,21 @@ def xla_flags(*flags):
     return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
 
 
+# The longest tests, longest first (20–100 s each here, most of them whole train.py runs) go first, so that the two
+# xdist workers do not finish with one of them running alone while the other idles (the order of the
+# rest is kept; each test still runs exactly as written).
+LONGEST = ("test_sharded_layouts_on_8_devices_match_one_device", "test_sigkill_during_transfer_resumes_to_the_same_result",
+           "test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run", "test_two_processes_match_one",
+           "test_forward_and_grad_every_model_every_kind", "test_librispeech_runlocal_trains_and_reports_wer",
+           "test_glue_runlocal_trains_and_reports_the_task_metrics", "test_bench_train_records_the_metric_against_time",
+           "test_bench_attention_writes_table_and_json", "test_sigterm_saves_the_current_step")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST)}                  # longest first
+    items.sort(key=lambda item: rank.get(getattr(item, "originalname", item.name), len(LONGEST)))
+
+
 def pytest_unconfigure(config):
     if os.environ.get("FAVOR_TESTS_OWN_XLA_CACHE") == str(os.getpid()):     # the process that made it
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
