@@ -6,7 +6,9 @@ favor/bench_uptrain.py).
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not): to exact softmax attention, and to a plain matmul
-with the same FLOP count (XLA's cost analysis of the compiled kind). Peak memory is XLA's compiled
+with the same FLOP count (XLA's cost analysis of the compiled kind; XLA counts a loop's body once, so a
+bidirectional feature kind's FLOPs are counted on its one-chunk program: the same operations, not
+split into a scan over chunks). Peak memory is XLA's compiled
 buffer footprint (arguments + outputs + temporaries) of the jitted function.
 
 Writes BENCHMARKS.md (the section between its markers is replaced) and bench/<section>.json.
@@ -93,9 +95,28 @@ def kind_options(spec):
     return kind, opts
 
 
+def flop_twin(kind, opts, length, causal):
+    """The kind as its FLOPs are counted: XLA's cost analysis counts a while loop's body once (not
+    times its trip count), so the bidirectional pass, a scan over chunks of keys and a map over
+    chunks of queries, is counted on the same kind with one chunk of the whole length (the same
+    operations in one trip). Causal and window passes keep their own chunks: their [C, C] blocks are
+    part of the algorithm's work, and their loops carry only the small prefix sums."""
+    if causal or opts.get("window") or "chunk_size" not in attention.get(kind).OPTIONS:
+        return attention.get(kind, **opts)
+    return attention.get(kind, **{**opts, "chunk_size": length})
+
+
+def _flops(attn, causal, q, k, v, rng, stats, grad):
+    def f(q, k, v, rng):
+        out = lambda q, k, v: attn(q, k, v, causal=causal, rng=rng, stats=stats)
+        return jax.grad(lambda *a: jnp.sum(out(*a)), argnums=(0, 1, 2))(q, k, v) if grad else out(q, k, v)
+    return _compile(f, (q, k, v, rng))[2]
+
+
 def measure(spec, length, causal, repeats):
     kind, opts = kind_options(spec)
     attn = attention.get(kind, **opts)
+    twin = flop_twin(kind, opts, length, causal)
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
     rng = ks[3]
@@ -118,6 +139,8 @@ def measure(spec, length, causal, repeats):
             row[name] = {"seconds": None, "peak_bytes": peak, "flops": flops, "matmul_seconds": None,
                          "skipped": f"needs {peak / 2 ** 30:.1f} GiB > budget {memory_budget() / 2 ** 30:.1f} GiB"}
             continue
+        if twin is not attn:
+            flops = _flops(twin, causal, q, k, v, rng, stats, grad=name == "fwd_bwd")
         seconds = _timed(compiled, (q, k, v, rng), repeats)
         row[name] = {"seconds": seconds, "peak_bytes": peak, "flops": flops,
                      "matmul_seconds": matmul_seconds(flops, repeats) if flops > 0 else None}
@@ -199,7 +222,8 @@ def parts(length, repeats):
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
     fwd = lambda q, k, v, rng: attn(q, k, v, rng=rng)
-    compiled, _, flops = _compile(fwd, (q, k, v, ks[3]))
+    compiled, _, _ = _compile(fwd, (q, k, v, ks[3]))
+    flops = _flops(flop_twin(kind, opts, length, False), False, q, k, v, ks[3], None, grad=False)
     yard = matmul_seconds(flops, repeats)
     n, f32 = B * H * length, jnp.float32
     x = jax.random.normal(ks[0], (n, D + 2), f32)             # [u, ‖u‖², 1]: the library's one-matmul form

@@ -114,6 +114,41 @@ def test_large_norms_equal_float64_reference(kind, causal, dtype):
         assert np.all(np.isfinite(out))
 
 
+@pytest.mark.parametrize("kind", LINEAR)
+def test_bidirectional_chunks_with_whole_chunks_of_padding(kind):
+    """The bidirectional pass runs keys and queries in chunks (a running key maximum; chunk_size=4 here,
+    L = 13: three full chunks and one token): a first chunk that is all padding (the running maximum
+    stays −inf through it), a padded middle chunk, a padded last token, and a row with no valid key,
+    against the float64 reference."""
+    attn = make(kind, chunk_size=4)
+    q, k, v = qkv(b=3, lq=13, lk=13, seed=12)
+    mask = np.ones((3, 13), bool)
+    mask[0, :4] = False
+    mask[1, 4:8] = False
+    mask[1, 12] = False
+    mask[2] = False
+    out = check_against_reference(attn, q, k, v, jnp.asarray(mask), False, rng=jax.random.PRNGKey(2))
+    np.testing.assert_array_equal(out[2], 0.0)
+
+
+@pytest.mark.parametrize("kind", LINEAR)
+def test_feature_maps_treat_rows_independently(kind):
+    """The bidirectional pass applies query_map / key_map chunk by chunk: a row's features must come
+    from its own input only (the fitted parameters and ω are fixed by the context)."""
+    attn = make(kind)
+    q, k, _ = qkv(lq=9, lk=9, seed=4)
+    ctx = context_of(attn, q, k, key_mask(), jax.random.PRNGKey(1), False)
+    x, y = attn.inputs(q, k)
+    for f, u in ((attn.query_map, x), (attn.key_map, y)):
+        whole = f(ctx, u)
+        parts = [f(ctx, u[:, :, i:i + 4]) for i in range(0, 9, 4)]
+        for j, part in enumerate(zip(*parts)):
+            if whole[j] is None:
+                assert all(p is None for p in part)
+                continue
+            np.testing.assert_allclose(np.concatenate(part, 2), whole[j], rtol=1e-6, atol=1e-6)
+
+
 # (relu, "exact") is left out: relu runs "auto" as "exact", the very program test_equals_float64_reference_
 # with_padding[relu-True] already checks on these inputs
 @pytest.mark.parametrize("kind,path", [(k, p) for k in ("favor+", "favor++", "favor", "relu") for p in ("fast", "exact")
@@ -441,7 +476,7 @@ def test_errors_name_the_bad_value():
         attention.get("favor+", redraw="sometimes")
     with pytest.raises(ValueError, match="unknown variant 'derf'"):
         attention.get("favor#", variant="derf")
-    with pytest.raises(ValueError, match="chunk_size must be a positive integer; got 0"):
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive integer .*got 0"):
         attention.get("elu", chunk_size=0)
     with pytest.raises(ValueError, match="unknown causal_path 'quick'"):
         attention.get("elu", causal_path="quick")
