@@ -20,13 +20,16 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["FAVOR_TESTS_OWN_XLA_CACHE"] = str(os.getpid())
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"      # small eager ops add up too
 
-# Tests compile hundreds of small programs and run each briefly, so LLVM's optimisation passes are most of
-# their time: the suite compiles at backend optimisation level 0 (about a third less CPU time on 2 cores,
-# measured on test_models / the runlocal training tests). The HLO — every operation, its order and its
-# float32 accumulation — is the same program users run; only the machine code is less tuned. Exported,
-# so train.py subprocesses inherit it; tests that set XLA_FLAGS themselves append to it (`xla_flags`).
-# Set FAVOR_TESTS_XLA_OPT=1 to run the suite at the default level.
-TEST_XLA_FLAGS = "" if os.environ.get("FAVOR_TESTS_XLA_OPT") else "--xla_backend_optimization_level=0"
+# Tests compile hundreds of small programs and run each briefly, so code generation is most of their time.
+# The suite compiles at backend optimisation level 0 (about a third less CPU time on 2 cores, measured on
+# test_models / the runlocal training tests) and with XLA:CPU's older elemental fusion emitters instead
+# of the MLIR fusion emitters (another ~40 % less: test_window + a repro + a training run, 211 -> 119 s
+# CPU; test_attention's padding tests 54 -> 33 s). The HLO — every operation, its order and its float32
+# accumulation — is the same program users run; only the CPU machine code is made another way (GPU and
+# TPU never use either path). Exported, so train.py subprocesses inherit them; tests that set XLA_FLAGS
+# themselves append to them (`xla_flags`). Set FAVOR_TESTS_XLA_OPT=1 to run the suite with XLA's defaults.
+TEST_XLA_FLAGS = "" if os.environ.get("FAVOR_TESTS_XLA_OPT") else \
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 
@@ -34,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from favor.repro.sampling import repeated_estimates  # noqa: E402,F401  (the tests import it from here)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -77,21 +81,6 @@ def pairs(d=6, seed=0, scale=0.35):
     y[0] = x[0] + 0.05 * rng.standard_normal(d)    # x ≈ y: trig is good here
     y[1] = -x[1] + 0.05 * rng.standard_normal(d)   # x ≈ −y: positive RFs are good here
     return jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
-
-
-def repeated_estimates(mech, x, y, params, num_features, repeats, seed=0, coupling="iid", chunk=1000):
-    """[R, Lx, Ly] estimates from R independent draws, as float64 numpy (R rounded up to chunks)."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), -(-repeats // chunk) * chunk)
-
-    @jax.jit
-    @jax.vmap
-    def one(key):
-        w = mech.draw(key, num_features, params, coupling)
-        return mech.estimate(x, y, w, params)
-
-    # A Python loop over jitted chunks: lax.map over batched QR hung XLA:CPU here (jax 0.10.2).
-    return np.concatenate([np.asarray(one(keys[i:i + chunk]), np.float64)
-                           for i in range(0, len(keys), chunk)])
 
 
 def assert_unbiased(est, exact, what):

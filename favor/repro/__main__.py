@@ -1,0 +1,52 @@
+"""`python -m favor.repro list` and `python -m favor.repro <name> [--quick] [--out DIR] [options]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from favor import repro
+from favor.repro import report
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names = repro.names()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\nreproductions: " + ", ".join(names))
+        return 0
+    if argv[0] == "list":
+        for name in names:
+            print(f"{name:22s} {repro.get(name).SUMMARY}")
+        return 0
+    name = argv[0]
+    if name not in names:
+        print(f"error: unknown reproduction {name!r}; valid: list, {', '.join(names)}", file=sys.stderr)
+        return 2
+    module = repro.get(name)
+    parser = argparse.ArgumentParser(prog=f"python -m favor.repro {name}", description=module.PROTOCOL,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a reduced protocol that runs in seconds (smaller sets, fewer seeds)")
+    parser.add_argument("--out", default=os.path.join("repro", name), help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every draw and sample")
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    t0 = time.perf_counter()
+    try:
+        result = module.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result.seconds = time.perf_counter() - t0
+    paths = report.write(result, args.out, name, quick=args.quick)
+    print(result.markdown(quick=args.quick))
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
