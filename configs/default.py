@@ -10,12 +10,16 @@ in under 5 minutes on 2 CPU cores (see README for the measured figure and the so
     configs/default.py:kind=favor#       any attention kind (also: --config.model.attention.kind=favor#)
     configs/default.py:kind=favor#,variant=saderf   kind-specific options go in the arg
 
-`sweep()` yields the kernel ablation as override dicts (launch/sweep_local.py runs it).
+`sweep()` yields the kernel ablation, every kind × `seeds` seeds, as override dicts:
+
+    python launch/sweep_local.py --config configs/default.py --workdir runs/ablation
+    python -m favor.report runs/ablation --plot runs/ablation/report.png
+    configs/default.py:seeds=3           three seeds per kind (get_config ignores `seeds`)
 """
 
 import ml_collections
 
-from favor import configlib
+from favor import configlib, sweeps
 
 KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
 # kind-specific attention options: empty / False means "the kind's own default" (only options the arg
@@ -24,7 +28,8 @@ KIND_OPTIONS = dict(variant="", lambda_="", features="", importance_sampling=Fal
 
 
 def get_config(arg=None):
-    args = configlib.parse_arg(arg, runlocal=False, kind="favor++", **KIND_OPTIONS)
+    # seeds: the sweep's (below); one config is one seed, `seed` itself
+    args = configlib.parse_arg(arg, runlocal=False, kind="favor++", seeds=2, **KIND_OPTIONS)
     c = configlib.run_config(total_steps=1500, batch_size=64, eval_batch_size=128, every=500, log_every=50)
     c.data = {"name": "digits", "test_fraction": 0.2, "split_seed": 0}
     c.task = {"name": "classification", "input": "image", "label_smoothing": 0.1}
@@ -55,7 +60,9 @@ def get_config(arg=None):
     return c
 
 
-def sweep():
-    """The kernel ablation: one run per attention kind."""
-    for kind in KINDS:
-        yield {"model.attention.kind": kind}
+def sweep(arg=None):
+    """The kernel ablation: every attention kind, each with `seeds` seeds (favor.report averages them)."""
+    args = configlib.parse_arg(arg, runlocal=False, kind="favor++", seeds=2, **KIND_OPTIONS)
+    if int(args.seeds) < 1:
+        raise ValueError(f"seeds={args.seeds}: expected 1 or more")
+    yield from sweeps.product({"model.attention.kind": KINDS, "seed": tuple(range(int(args.seeds)))})

@@ -40,6 +40,8 @@ class Checkpointer:
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                                  enable_async_checkpointing=asynchronous))
 
+    restored_meta: dict | None = None    # the metadata of the step restore_latest returned
+
     def steps(self):
         return sorted(self.manager.all_steps())
 
@@ -68,6 +70,7 @@ class Checkpointer:
                 log.warning(msg)
                 self._set_aside(step)
                 continue
+            self.restored_meta = meta
             return state, meta, step
         return None
 

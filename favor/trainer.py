@@ -31,6 +31,7 @@ from flax import nnx
 from favor import checkpoint, configlib, data, models, optim, sharding, tasks, transfer, uptrain
 from favor.attention import schedule
 from favor.configlib import attention_options
+from favor.data import atomic
 from favor.data.prefetch import prefetch
 
 log = logging.getLogger("favor.train")
@@ -312,7 +313,8 @@ def restore_or_init(config, workdir: Path, model: Model, layout: Layout):
                 state["teacher"] = jax.tree.map(jnp.copy, state["params"])
         return ckpt, state, 0
     state, meta, start = restored
-    log.info("resumed from step %d (%s)", start, ckpt.directory)
+    log.info("resumed from step %d (%s, %.0f s of training before)", start, ckpt.directory,
+             float(meta.get("wall_seconds", 0.0)))
     if int(meta.get("data_position", start)) != start:
         raise RuntimeError(f"checkpoint {start}: data position {meta['data_position']} != step {start}")
     return ckpt, state, start
@@ -362,9 +364,12 @@ def check_finite(state, ckpt):
                             f"{ckpt.steps()[-1] if ckpt.steps() else 'none'})")
 
 
-def save(ckpt, state, step: int, config):
+def save(ckpt, state, step: int, config, wall_seconds: float = 0.0):
+    """Checkpoint `step`; `wall_seconds` (the run's time so far, all its processes) goes in the metadata
+    so a resumed run's clock continues from it."""
     check_finite(state, ckpt)
-    ckpt.save(step, state, {"step": step, "data_position": step, "config": config.to_json()})
+    ckpt.save(step, state, {"step": step, "data_position": step, "config": config.to_json(),
+                            "wall_seconds": wall_seconds})
 
 
 class Progress(periodic_actions.ReportProgress):
@@ -414,8 +419,11 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
 
     def record_eval(step):
         metrics = evaluate_fn(state)
-        history["evals"].append({"step": step, "seconds": time.perf_counter() - t_start, **metrics})
-        writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        seconds = time.perf_counter() - t_start
+        history["evals"].append({"step": step, "seconds": seconds, **metrics})
+        # the run's own clock beside each eval (resumes included, gaps between them not): what
+        # favor.report plots the metric against, where TensorBoard's wall time would count the gaps
+        writer.write_scalars(step, {**{f"eval/{k}": v for k, v in metrics.items()}, "time/wall_seconds": seconds})
         log.info("step %d eval %s", step, metrics)
         return metrics
 
@@ -457,7 +465,7 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                     with progress.timed("eval", wait_jax_async_dispatch=False):
                         eval_metrics = record_eval(done)
                 if done % int(config.checkpoint_every) == 0 or last or stop.is_set():
-                    save(ckpt, state, done, config)
+                    save(ckpt, state, done, config, wall_seconds=time.perf_counter() - t_start)
                 if stop.is_set():
                     ckpt.wait()
                     log.warning("SIGTERM at step %d: checkpoint saved, exiting", done)
@@ -473,13 +481,18 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                        "steps_per_second": history["steps_per_second"], "attention": config.model.attention.kind,
                        "checkpoint_dir": str(ckpt.directory),
                        "tensorboard_dir": str((workdir / "tensorboard").absolute()), "preempted": stop.is_set(),
-                       "train_loss_history": history["losses"], "eval_history": history["evals"]})
+                       "train_loss_history": history["losses"], "eval_history": history["evals"],
+                       "num_params": num_params(state["params"]), "wall_seconds": time.perf_counter() - t_start})
     if history["attention_mse"]:
         summary["attention_mse"] = history["attention_mse"]
     summary.state = state
     if jax.process_index() == 0:
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+        atomic.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
     return summary
+
+
+def num_params(params) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(params)))
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -492,12 +505,15 @@ def run(config, workdir) -> Summary:
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = sharding.make_mesh(config.mesh)
     config = with_tokenizer(config, workdir)
+    if jax.process_index() == 0:         # the whole config, overrides applied: what favor.report compares
+        atomic.write_text(workdir / "config.json", config.to_json(indent=1))
     source, task = make_data(config)
     uptrain.record_tokenizer(source, workdir)
     model = make_model(config, source)
     layout = make_layout(model, mesh, config.sharding_rules, source)
     step_fn = make_train_step(config, model, task, layout)
     ckpt, state, start = restore_or_init(config, workdir, model, layout)
+    t_start -= float((ckpt.restored_meta or {}).get("wall_seconds", 0.0))   # a resumed run's clock goes on
     evaluate_fn = make_evaluate(config, model, task, source, layout)
     return train_loop(config, workdir, state, start, step_fn=step_fn, evaluate_fn=evaluate_fn, ckpt=ckpt,
                       source=source, layout=layout, t_start=t_start,

@@ -1,0 +1,91 @@
+"""Sweeps: a config's `sweep()` as a list of named runs, and the helper sweeps are written with.
+
+    # configs/<name>.py
+    def sweep(arg=None):
+        yield from sweeps.product({"model.attention.kind": KINDS, "seed": (0, 1)})
+
+Each item is an override dict ({"model.attention.kind": "favor#", "seed": 1}); a run gets
+`--config.<key>=<value>` flags and a workdir named after its overrides (`kind=favor#_seed=1`).
+launch/sweep_local.py runs them here, launch/slurm_gpu.sbatch as an array job, launch/tpu_pod.sh on a
+pod; `python -m favor.report <sweep dir>` compares them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+from favor import configlib
+
+# Keys that only pick a random stream: runs that differ in these alone are repeats of one setting
+# (favor.report averages them).
+SEED_KEYS = ("seed",)
+
+
+def product(axes: Mapping[str, Sequence]) -> Iterator[dict]:
+    """Every combination of the axes' values, the first axis varying slowest:
+    product({"a": (1, 2), "seed": (0, 1)}) -> {a: 1, seed: 0}, {a: 1, seed: 1}, {a: 2, seed: 0}, ..."""
+    keys = list(axes)
+    for key in keys:
+        if isinstance(axes[key], (str, bytes)) or not isinstance(axes[key], Sequence) or not axes[key]:
+            raise ValueError(f"sweep axis {key!r}: expected a non-empty list or tuple of values, got {axes[key]!r}")
+    for values in itertools.product(*(axes[k] for k in keys)):
+        yield dict(zip(keys, values))
+
+
+def is_seed_key(key: str) -> bool:
+    return key.split(".")[-1] in SEED_KEYS
+
+
+@dataclass(frozen=True)
+class Run:
+    index: int
+    name: str
+    overrides: dict
+
+    def flags(self) -> list[str]:
+        return [f"--config.{k}={v}" for k, v in self.overrides.items()]
+
+
+def run_name(overrides: Mapping, short: Mapping[str, str] | None = None) -> str:
+    """`kind=favor#_seed=1`: each key by its last part (the whole dotted key where two keys share it),
+    characters a directory name should not hold replaced by '-'."""
+    short = short or {k: k.split(".")[-1] for k in overrides}
+    name = "_".join(f"{short[k]}={v}" for k, v in overrides.items()) or "base"
+    return re.sub(r"[^A-Za-z0-9=._+#-]", "-", name)
+
+
+def runs(items: Sequence[Mapping]) -> list[Run]:
+    """The sweep's items as runs with distinct names; an item that is not a dict of dotted keys, or two
+    items with the same overrides, is a ValueError naming it."""
+    items = list(items)
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or not all(isinstance(k, str) and k for k in item):
+            raise ValueError(f"sweep item {i}: expected a dict of config keys to values, got {item!r}")
+    keys = list(dict.fromkeys(k for item in items for k in item))
+    last = [k.split(".")[-1] for k in keys]
+    short = {k: (k if last.count(k.split(".")[-1]) > 1 else k.split(".")[-1]) for k in keys}
+    out, seen = [], {}
+    for i, item in enumerate(items):
+        name = run_name(item, short)
+        if name in seen:
+            raise ValueError(f"sweep items {seen[name]} and {i} are the same run ({name}); each item must differ")
+        seen[name] = i
+        out.append(Run(i, name, dict(item)))
+    return out
+
+
+def load(config: str) -> list[Run]:
+    """The runs of `config` ("path.py" or "path.py:arg"): its module's sweep(), called with the arg when
+    it takes one."""
+    path, _, arg = config.partition(":")
+    module = configlib.load_module(path)
+    if not hasattr(module, "sweep"):
+        raise ValueError(f"{path} has no sweep() function")
+    takes_arg = bool(inspect.signature(module.sweep).parameters)
+    if arg and not takes_arg:
+        raise ValueError(f"{path}: sweep() takes no arg, but the config was given {arg!r}")
+    return runs(module.sweep(arg or None) if takes_arg else module.sweep())
