@@ -99,10 +99,14 @@ def flop_twin(kind, opts, length, causal):
     """The kind as its FLOPs are counted: XLA's cost analysis counts a while loop's body once (not
     times its trip count), so the bidirectional pass, a scan over chunks of keys and a map over
     chunks of queries, is counted on the same kind with one chunk of the whole length (the same
-    operations in one trip). Causal and window passes keep their own chunks: their [C, C] blocks are
-    part of the algorithm's work, and their loops carry only the small prefix sums."""
-    if causal or opts.get("window") or "chunk_size" not in attention.get(kind).OPTIONS:
+    operations in one trip). Causal and window passes keep their own chunks (their [C, C] blocks are
+    part of the algorithm's work); their scan over spans of chunks is counted with one span of the
+    whole length."""
+    accepted = attention.get(kind).OPTIONS
+    if "chunk_size" not in accepted:
         return attention.get(kind, **opts)
+    if causal or opts.get("window"):
+        return attention.get(kind, **{**opts, "causal_span": length})
     return attention.get(kind, **{**opts, "chunk_size": length})
 
 

@@ -168,11 +168,72 @@ def test_auto_takes_the_exact_path_outside_the_fast_paths_guarantee():
     q, k, v = qkv(b=1, lq=l, lk=l, d=d, norms=np.linspace(1.0, 40.0, l)[::-1], seed=9)
     stats = calibration_stats(attn, d)
     (lq, sq), (lk, sk) = attn.log_maps(q, k, attn.context(q, k, causal=True, stats=stats))
-    exceed = float(linear._causal_fast_exceedance(lk, linear._anchor(lk), 4))
-    assert exceed > linear.FAST_EXCEEDANCE          # these inputs are outside the fast path's guarantee
+    # L = 12 is one span of the causal scan, whose reference is the first key: some key exceeds it by
+    # more than the fast path's bound, so these inputs are outside its guarantee
+    lk = np.asarray(lk, np.float64)[0]                                  # [H, L, F]
+    exceed = np.max(lk - lk[:, :1], axis=(1, 2))
+    assert linear._span(4, l) == l and np.all(exceed > linear.FAST_EXCEEDANCE), exceed
     auto = check_against_reference(make("favor#", chunk_size=4), q, k, v, None, True, stats=stats)
     exact = make("favor#", chunk_size=4, causal_path="exact")(q, k, v, causal=True, stats=stats)
     np.testing.assert_allclose(auto, np.asarray(exact, np.float64), rtol=1e-6, atol=1e-7)
+
+
+# The causal scan carries its key sum from span to span (favor.attention.linear: spans of
+# `causal_span` tokens, a whole number of chunks). The tests above run one span (L < 512); these run
+# several: causal_span=8 with chunks of 4, L = 21 (spans 8 + 8 + 5).
+SPAN_KINDS = ("favor+", "favor", "favor#", "hrf")
+
+
+@pytest.mark.parametrize("kind", SPAN_KINDS)
+def test_causal_spans_equal_the_reference_with_padding(kind):
+    """Whole spans of padding before the first key (the carry stays empty through them), a padded
+    middle span, a padded last token, a row whose only keys are in the last span, a row with no key;
+    each path; and queries fewer than keys starting mid-span."""
+    l = 21
+    q, k, v = qkv(b=5, lq=l, lk=l, seed=21)
+    mask = np.ones((5, l), bool)
+    mask[0, :16] = False
+    mask[1, 8:16] = False
+    mask[1, l - 1] = False
+    mask[2, :19] = False
+    mask[4] = False
+    mask = jnp.asarray(mask)
+    for path in ("auto", "fast", "exact"):
+        attn = make(kind, chunk_size=4, causal_span=8, causal_path=path)
+        stats = calibration_stats(attn, 8)
+        out = check_against_reference(attn, q, k, v, mask, True, stats=stats)
+        np.testing.assert_array_equal(out[4], 0.0)
+        tail = attn(q[:, 11:], k, v, mask=mask, causal=True, stats=stats)
+        np.testing.assert_allclose(np.asarray(tail), out[:, 11:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", SPAN_KINDS)
+def test_causal_spans_at_large_norms_equal_the_reference(kind):
+    """Norms 1 … 10·√D along the sequence and reversed: later spans' keys far above the carried
+    reference (auto takes the exact path for those spans only) or far below it."""
+    d, l = 16, 21
+    norms = np.linspace(1.0, 10.0 * d ** 0.5, l)
+    attn = make(kind, chunk_size=4, causal_span=8)
+    stats = calibration_stats(attn, d)
+    for order in (norms, norms[::-1]):
+        q, k, v = qkv(b=1, lq=l, lk=l, d=d, norms=order, seed=9)
+        mask = jnp.ones((1, l), bool).at[0, 9].set(False)
+        out = check_against_reference(attn, q, k, v, mask, True, stats=stats)
+        np.testing.assert_allclose(out[:, 0], np.asarray(v[:, 0], np.float64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ("favor+", "favor"))
+def test_causal_span_gradients_equal_those_of_the_explicit_form(kind):
+    """L = 9 in spans of 4 (chunks of 2): the carry's gradient, plain and with a window."""
+    for path in ("auto", "fast"):
+        check_gradients_against_explicit(make(kind, chunk_size=2, causal_span=4, causal_path=path), True)
+    check_gradients_against_explicit(make(kind, chunk_size=2, causal_span=4, window=2), True, window=2)
+
+
+def test_causal_span_option_is_checked():
+    for bad in (0, -4, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="causal_span must be a positive integer"):
+            make("favor+", causal_span=bad)
 
 
 # -- invariants -----------------------------------------------------------------------------------

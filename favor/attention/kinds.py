@@ -101,11 +101,12 @@ class FeatureAttention(Attention, abc.ABC):
     """Linear attention over a feature map given in log space; subclasses give the map.
 
     Options: chunk_size (tokens per chunk of the passes over L; None: each pass's own, the fastest
-    measured: 128 causal, 512 bidirectional, ReLU/ELU's bidirectional the whole length) and causal_path ("auto", "fast", "exact": see
-    favor.attention.linear.causal; "auto" is exact for any input)."""
+    measured: 64 causal, 512 bidirectional, ReLU/ELU's bidirectional the whole length), causal_path
+    ("auto", "fast", "exact": see favor.attention.linear.causal_maps; "auto" is exact for any input) and
+    causal_span (tokens per step of the causal scan, a whole number of chunks; None: 512)."""
 
     positive = True
-    OPTIONS = {"chunk_size": None, "causal_path": "auto"}
+    OPTIONS = {"chunk_size": None, "causal_path": "auto", "causal_span": None}
     BIDIRECTIONAL_CHUNK = linear.BIDIRECTIONAL_CHUNK   # the bidirectional pass's default (None: whole L)
     # The fast causal path's guarantee needs every key log-feature finite (each feature's reference is
     # then reached by a real key); maps with exact zero features run "auto" as "exact".
@@ -119,6 +120,11 @@ class FeatureAttention(Attention, abc.ABC):
                              f"default); got {chunk!r}")
         self.chunk_size = chunk or linear.CAUSAL_CHUNK
         self.bidirectional_chunk = chunk or self.BIDIRECTIONAL_CHUNK
+        span = options.get("causal_span")
+        if span is not None and (not isinstance(span, int) or isinstance(span, bool) or span < 1):
+            raise ValueError(f"{self.name}: causal_span must be a positive integer (or None: "
+                             f"{linear.CAUSAL_SPAN}); got {span!r}")
+        self.causal_span = span
         self.causal_path = options.get("causal_path", "auto")
         if self.causal_path not in linear.PATHS:
             raise ValueError(f"{self.name}: unknown causal_path {self.causal_path!r}; "
@@ -159,14 +165,14 @@ class FeatureAttention(Attention, abc.ABC):
             check_causal_lengths(q, k)
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
         vv = _to_bhld(v)
+        x, y = self.inputs(q, k)
         if causal:
-            (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)
             path = self.causal_path
             if path == "auto" and not self.finite_features:
                 path = "exact"
-            out = linear.causal(lq, sq, lk, sk, vv, mask, self.positive, self.chunk_size, path)
+            out = linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
+                                     self.chunk_size, path, self.causal_span)
         else:
-            x, y = self.inputs(q, k)
             out = linear.bidirectional_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
                                             self.bidirectional_chunk)
         return _to_bhld(out).astype(v.dtype)
@@ -254,8 +260,8 @@ class RandomFeatureAttention(FeatureAttention):
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
-               "fit_gradients": False, "chunk_size": None, "causal_path": "auto", "stats_momentum": 0.99,
-               "window": 0}
+               "fit_gradients": False, "chunk_size": None, "causal_path": "auto", "causal_span": None,
+               "stats_momentum": 0.99, "window": 0}
     mechanism = ""
     mechanism_options: dict[str, Any] = {}
 
@@ -355,7 +361,7 @@ class RandomFeatureAttention(FeatureAttention):
         (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)
         x, y = self.scaled(q, k)
         out = window_lib.attend(lq, sq, lk, sk, x, y, _to_bhld(v), mask, self.positive, self.window, causal,
-                                self.chunk_size, self.causal_path)
+                                self.chunk_size, self.causal_path, self.causal_span)
         return _to_bhld(out).astype(v.dtype)
 
     def decode_init(self, batch, heads, dim, dv):

@@ -74,7 +74,24 @@ def _ones_column(v):
 
 
 def _ratio(out, positive):
-    return out[..., :-1] / guard(out[..., -1], positive)[..., None]
+    return _divide(out[..., :-1], guard(out[..., -1], positive))
+
+
+@jax.custom_jvp
+def _divide(num, den):
+    """num [.., Dv] / den [..]. Its derivative is written as (dnum − y·dden)/den with y = num/den, not
+    autodiff's −num/den², whose den² underflows float32 for |den| < 1e-19 (a sign-indefinite kind's
+    denominator can be that small): an inf there times a zero cotangent (an output the loss does not use)
+    would be NaN for every key."""
+    return num / den[..., None]
+
+
+@_divide.defjvp
+def _divide_jvp(primals, tangents):
+    num, den = primals
+    dnum, dden = tangents
+    y = num / den[..., None]
+    return y, (dnum - y * dden[..., None]) / den[..., None]
 
 
 # -- bidirectional ------------------------------------------------------------------------------------
@@ -180,62 +197,178 @@ def _row_scaled(lk, sk):
 
 
 # -- causal -------------------------------------------------------------------------------------------
-def causal(lq, sq, lk, sk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK, path="auto"):
-    """[B, H, Lq, Dv] with query i seeing keys ≤ i + (Lk − Lq) (queries aligned to the last keys, as in
-    decoding after a prefix). Every quantity the output at i is computed from — the fitted parameters
-    are the caller's business — depends on keys ≤ i only.
+# The causal pass is a scan over spans of CAUSAL_SPAN tokens (a whole number of chunks) that makes each
+# span's features inside its step, as the bidirectional pass does, and carries the running key sum from
+# span to span. Within a span the chunks of `chunk_size` tokens share one causal reference, so their
+# states are on one scale and their prefixes are a plain cumulative sum (no scan over chunks).
+CAUSAL_SPAN = 512
 
-    Two algorithms with the same result: "fast" (chunks of `chunk_size`, one matmul per chunk) is exact
-    while no key exceeds its chunk's causal reference by more than FAST_EXCEEDANCE; "exact" forms the
-    diagonal blocks of EXACT_BLOCK tokens in log space and is exact for any input, at several times the
-    cost. "auto" takes the fast one unless some valid key exceeds the bound (one `lax.cond` per call).
-    The fast path's guarantee assumes every valid key's log-features are finite (true of every
+
+def _span(chunk, length, span=None):
+    """Tokens per scan step: `span` (default CAUSAL_SPAN) rounded down to whole chunks, at least one chunk
+    and at most the (chunk-padded) sequence."""
+    per = max(1, (span or CAUSAL_SPAN) // chunk)
+    return chunk * min(per, -(-length // chunk))
+
+
+def causal(lq, sq, lk, sk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK, path="auto", span=None):
+    """[B, H, Lq, Dv] with query i seeing keys ≤ i + (Lk − Lq) (queries aligned to the last keys, as in
+    decoding after a prefix); the log-features given as arrays. See `causal_maps`."""
+    return causal_maps(_given, _given, None, (lq, sq), (lk, sk), v, valid, positive, chunk_size, path, span)
+
+
+@partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "chunk_size", "path", "span"))
+def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK,
+                path="auto", span=None):
+    """`causal` with the features made from inputs span by span (maps and inputs as in
+    `bidirectional_maps`). Every quantity the output at i is computed from — the fitted parameters are
+    the caller's business — depends on keys ≤ i only.
+
+    Two algorithms with the same result: "fast" (one matmul per chunk of `chunk_size` tokens, its
+    prefix from the chunk states of the span and the carried sum) is exact while no key exceeds its
+    span's causal reference by more than FAST_EXCEEDANCE; "exact" forms the diagonal blocks of
+    EXACT_BLOCK tokens in log space and is exact for any input, at several times the cost. "auto" takes
+    the fast one for each span unless one of its valid keys exceeds the bound (one `lax.cond` per
+    span). The fast path's guarantee assumes every valid key's log-features are finite (true of every
     random-feature map; ReLU's zeros are not: its kind runs "auto" as "exact"). Forced "fast" outside
-    the guarantee can be wrong, gradients included: it is for benchmarks and tests. "auto" decides on
-    the whole input, so a future token can switch the path and move past outputs at rounding level
-    (each path alone is causal bit for bit).
+    the guarantee can be wrong, gradients included: it is for benchmarks and tests. "auto" decides per
+    span on all its keys, so a later token of the same span can switch the path and move an output at
+    rounding level (each path alone is causal bit for bit).
     """
     if path not in PATHS:
         raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
-    if lq.shape[2] > lk.shape[2]:
+    l_q, l_k = _length(x), _length(y)
+    if l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
-                         f"got Lq = {lq.shape[2]}, Lk = {lk.shape[2]}")
-    return _causal(lq, sq, lk, sk, v, valid, positive, chunk_size, path)
-
-
-@partial(jax.jit, static_argnames=("positive", "chunk_size", "path"))
-def _causal(lq, sq, lk, sk, v, valid, positive, chunk_size, path):
-    """The jitted body of `causal`."""
-    lq, lk = lq.astype(F32), _mask_keys(lk.astype(F32), valid)
-    b, h, l_q, f = lq.shape
-    l_k = lk.shape[2]
+                         f"got Lq = {l_q}, Lk = {l_k}")
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
-        front = ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))
-        lq = jnp.pad(lq, front)
-        sq = None if sq is None else jnp.pad(sq, front, constant_values=1.0)
-    out, _ = _causal_sums(lq, sq, lk, sk, _ones_column(v), chunk_size, path)
+        x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
+    out, _ = _causal_sums_maps(query_map, key_map, ctx, x, y, _ones_column(v), valid, chunk_size, path, span)
     return _ratio(out[:, :, l_k - l_q:], positive)
 
 
-def _causal_sums(lq, sq, lk, sk, v1, chunk_size, path):
+def _causal_sums(lq, sq, lk, sk, v1, chunk_size, path, span=None):
     """Σ_{j≤i} φ_q(i)ᵀφ_k(j)[v_j, 1] on query i's own scale: (out [B, H, L, Dv+1], log-scale [B, H, L]),
     the true sums being e^scale · out; scale is −inf where query i sees no key (then out is 0).
     lq and lk have the same length here; lk is masked already."""
-    anchor = _anchor(lk)
+    return _causal_sums_maps(_given, _given, None, (lq, sq), (lk, sk), v1, None, chunk_size, path, span)
 
-    def fast(ops):
-        return _causal_fast(*ops, anchor, chunk_size)
 
-    def exact(ops):
-        return _causal_exact(*ops, anchor, EXACT_BLOCK, chunk_size)
+def _causal_sums_maps(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span):
+    """`_causal_sums` from inputs and maps; x and y have the same length."""
+    l = _length(y)
+    c = min(chunk_size, l)
+    if path == "exact":       # one algorithm for the whole input: the features as whole arrays
+        (lq, sq), (lk, sk) = query_map(ctx, x), key_map(ctx, y)
+        lk = _mask_keys(lk.astype(F32), valid)
+        return _causal_exact(lq.astype(F32), sq, lk, sk, v1, _anchor(lk), EXACT_BLOCK, c)
+    s = _span(c, l, span)
+    xs, ys, v1s, valids = _in_chunks(x, s), _in_chunks(y, s), _in_chunks(v1, s), _valid_chunks(valid, l, s)
+    lk0, sk0 = jax.eval_shape(key_map, ctx, jax.tree.map(lambda a: a[0], ys))
+    b, h, _, f = lk0.shape
+    width = f if sk0 is None else sk0.shape[-1]
+    init = (jnp.zeros((b, h), bool), jnp.full((b, h, f), NEG_INF, F32), jnp.zeros((b, h, width, v1.shape[-1]), F32))
+    step = partial(_causal_span, query_map, key_map, ctx, c, path)
+    # under jax.checkpoint the backward pass makes each span's features again instead of storing them
+    _, (out, scale) = jax.lax.scan(jax.checkpoint(step), init, (xs, ys, v1s, valids))
+    n, b, h, _, d = out.shape
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * s, d)[:, :, :l]
+    return out, jnp.moveaxis(scale, 0, 2).reshape(b, h, n * s)[:, :, :l]
 
-    ops = (lq, sq, lk, sk, v1)
+
+def _causal_span(query_map, key_map, ctx, c, path, carry, inputs):
+    """One span: (seen, τ, T) -> the same after it, and (out [B, H, S, Dv+1], log-scale [B, H, S]).
+
+    The carry: `seen` [B, H] whether any valid key came before, τ [B, H, F] the per-feature maximum of
+    those keys' log-features, T [B, H, F, Dv+1] = Σ_j exp(l_k(j) − τ)·sign·[v_j, 1] over them (τ read as
+    0 where it is −inf). The span's reference τ0 is τ, or the span's first valid key when none came
+    before (every query that sees any key sees that one): causal either way."""
+    seen, tau, total = carry
+    x, y, v1, valid = inputs
+    lq, sq = query_map(ctx, x)
+    lk, sk = key_map(ctx, y)
+    lq, v1 = lq.astype(F32), v1.astype(F32)
+    lk = jnp.where(valid[:, None, :, None], lk.astype(F32), NEG_INF)
+    has = _has_mass(lk)                                             # [B, H, S]
+    tau0 = sg(jnp.where(seen[..., None], tau, _anchor(lk)))        # [B, H, F], −inf: no key at all yet
+    a = sg(jnp.max(lk - _finite_or(tau0)[:, :, None], axis=-1))    # [B, H, S], −inf: no key
+    new_tau = sg(jnp.maximum(tau0, jnp.max(lk, axis=2)))
+    ops = (lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau)
     if path == "fast":
-        return fast(ops)
-    if path == "exact":
-        return exact(ops)
-    exceed = _causal_fast_exceedance(lk, anchor, chunk_size)
-    return jax.lax.cond(exceed <= FAST_EXCEEDANCE, fast, exact, ops)
+        out, scale, total = _fast_span(*ops, c)
+    else:
+        out, scale, total = jax.lax.cond(jnp.max(a) <= FAST_EXCEEDANCE, lambda o: _fast_span(*o, c),
+                                         lambda o: _exact_span(*o, c), ops)
+    return (seen | jnp.any(has, -1), new_tau, total), (out, scale)
+
+
+def _carry_keep(tau0, new_tau):
+    """The factor taking sums on scale τ0 to scale τ' ≥ τ0 (−inf read as 0; clamped below overflow for
+    maps with −inf features, where τ may fall)."""
+    return jnp.exp(jnp.minimum(_finite_or(tau0) - _finite_or(new_tau), 80.0))
+
+
+def _fast_span(lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau, c):
+    """The fast path over one span, in chunks of c. Keys are referenced to τ0 and normalised by a
+    per-key scalar a_j = max_f(l_k(j, f) − τ0_f); query i by β_i = max_f(l_q(i, f) + τ0_f). With
+    α_i = max(0 if a key came before the span, max_{valid j ≤ i in the span} a_j) and c_i = β_i + α_i,
+
+        out_i ∝ e^(−α_i)·Q̂_i (T + P_n) + Σ_{j ≤ i in i's chunk} (Q̂_i·K̂_j)·e^(a_j − α_i)·[v_j, 1],
+
+    P_n the states of the span's earlier chunks, Σ_j K̂_j e^(a_j)[v_j, 1] on scale τ0: every factor
+    ≤ 1 after e^(−α_i), the denominator ≥ e^(−α_i), and exact while every a_j ≤ FAST_EXCEEDANCE.
+    Returns (out [B, H, S, Dv+1], its log-scale β_i + α_i, the carry's sum on scale τ')."""
+    b, h, s, _ = lq.shape
+    n = s // c
+    t = _finite_or(tau0)[:, :, None]                                # [B, H, 1, F]
+    af = _finite_or(a)
+    beta = sg(_finite_or(jnp.max(lq + t, axis=-1)))                # [B, H, S]
+    row = _row_scaled(lk, sk)
+    if row:
+        # one scale per row: exp(l_k − τ − a_j) and exp(l_q + τ − β_i) are 1 in value, so the bounded
+        # values serve as the features as they are, and those factors ([.., S, 1]: they carry the scales'
+        # gradients) weight the rows of [V, 1] and of the output instead of the [S, F] values
+        fk, fq = sk.astype(F32), sq.astype(F32)
+        v1 = v1 * _unit(lk - t - af[..., None])
+        q_unit = _unit(lq + t - beta[..., None])
+    else:
+        fk = _with_sign(jnp.exp(lk - t - af[..., None]), sk)
+        fq = _with_sign(jnp.exp(lq + t - beta[..., None]), sq)
+    alpha = jax.lax.cummax(jnp.where(has, a, NEG_INF), axis=2)
+    alpha = sg(jnp.maximum(alpha, jnp.where(seen, 0.0, NEG_INF)[..., None]))
+    scale = jnp.where(jnp.isfinite(alpha), beta + alpha, NEG_INF)  # −inf: no key yet
+    alpha = _finite_or(alpha)                                       # no key yet: the row is all zeros
+
+    chunked = lambda z: z.reshape(b, h, n, c, *z.shape[3:])
+    fk_n, fq_n, v1_n, a_n, alpha_n, has_n = map(chunked, (fk, fq, v1, af, alpha, has))
+    # chunk states on scale τ0 (e^(a_j) ≤ e^FAST_EXCEEDANCE where the path is exact; clamped there
+    # outside it, where forced "fast" is wrong anyway, so that its sums stay finite: an inf here would
+    # turn the zero gradient of an unused output into NaN for every key), and each chunk's prefix: the
+    # carry plus the span's earlier chunks
+    w = jnp.where(jnp.isfinite(a), jnp.exp(jnp.minimum(a, FAST_EXCEEDANCE)), 0.0)
+    states = jnp.einsum("bhncd,bhncf->bhnfd", v1_n * chunked(w)[..., None], fk_n)      # [B, H, N, F, Dv+1]
+    inclusive = jnp.cumsum(states, axis=2)
+    prefix = total[:, :, None] + jnp.concatenate([jnp.zeros_like(states[:, :, :1]), inclusive[:, :, :-1]], 2)
+    # e^(a_j − α_i) ≤ 1 on the causal triangle; the log is masked before exp so that no inf·0 reaches
+    # the backward pass
+    tril = jnp.tril(jnp.ones((c, c), bool))
+    log_w = jnp.where(tril & has_n[:, :, :, None, :], a_n[:, :, :, None, :] - alpha_n[..., None], NEG_INF)
+    scores = jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n) * jnp.exp(log_w)
+    out = (jnp.exp(-alpha_n)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq_n, prefix)
+           + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_n)).reshape(b, h, s, -1)
+    if row:
+        out = out * q_unit
+    total = (total + inclusive[:, :, -1]) * _carry_keep(tau0, new_tau)[..., None]
+    return out, scale, total
+
+
+def _exact_span(lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau, c):
+    """The exact path over one span (`_causal_exact` after the carried sum); the carry's sum from the
+    span's keys on scale τ'."""
+    out, scale = _causal_exact(lq, sq, lk, sk, v1, tau0, EXACT_BLOCK, c, start=total, seen=seen)
+    fk = _with_sign(jnp.exp(lk - _finite_or(new_tau)[:, :, None]), sk)
+    total = total * _carry_keep(tau0, new_tau)[..., None] + jnp.einsum("bhld,bhlf->bhfd", v1, fk)
+    return out, scale, total
 
 
 def _anchor(lk):
@@ -311,78 +444,6 @@ def _chunked_with_prefix(lq, sq, lk, sk, v1, anchor, size, start=None):
     return c, lk_c.shape[2], chunk(lq), chunk(sq), lk_c, sk_c, v1_c, tau_p, prefix
 
 
-def _fast_references(lk_c, anchor):
-    """τ_n = max(anchor, max over earlier chunks) for the fast path, [B, H, N, F]."""
-    mu = sg(jnp.max(lk_c, axis=3))
-    earlier = jax.lax.cummax(mu, axis=2)
-    earlier = jnp.concatenate([jnp.full_like(mu[:, :, :1], NEG_INF), earlier[:, :, :-1]], axis=2)
-    return sg(jnp.maximum(earlier, anchor[:, :, None]))
-
-
-def _causal_fast_exceedance(lk, anchor, chunk_size):
-    c = min(chunk_size, lk.shape[2])
-    lk_c = _key_chunks(lk, c)
-    tau = _fast_references(lk_c, anchor)
-    a = jnp.max(lk_c - _finite_or(tau)[:, :, :, None], axis=-1)  # −inf for padded keys
-    return sg(jnp.max(a))
-
-
-def _causal_fast(lq, sq, lk, sk, v1, anchor, chunk_size):
-    """Chunks of C tokens. Keys of chunk n are referenced to τ_n (causal: earlier chunks and the first
-    valid key) and normalised by a per-key scalar a_j = max_f(l_k(j, f) − τ_n,f); query i by
-    β_i = max_f(l_q(i, f) + τ_n,f). Then with α_i = max(0 if the first valid key is before the chunk,
-    max_{valid j ≤ i in the chunk} a_j) and c_i = β_i + α_i,
-
-        out_i ∝ e^(−α_i)·Q̂_i P_n + Σ_{j ≤ i in chunk} (Q̂_i·K̂_j)·e^(a_j − α_i)·[v_j, 1],
-
-    every factor ≤ 1, the denominator ≥ e^(−α_i), and each product Q̂K̂ at least its true value: exact
-    while every a_j ≤ FAST_EXCEEDANCE. Returns (out [B, H, L, Dv+1], its log-scale β_i + α_i)."""
-    b, h, l, f = lq.shape
-    c = min(chunk_size, l)
-    chunk = lambda a: None if a is None else _chunks(a, c)
-    lq_c, sq_c, lk_c, sk_c, v1_c = chunk(lq), chunk(sq), _key_chunks(lk, c), chunk(sk), chunk(v1)
-    n = lk_c.shape[2]
-    tau_p = _fast_references(lk_c, anchor)                          # [B, H, N, F], −inf: no key at all
-    tau = _finite_or(tau_p)[:, :, :, None]                          # [B, H, N, 1, F]
-    a = sg(jnp.max(lk_c - tau, axis=-1))                            # [B, H, N, C], −inf: no key
-    beta = sg(_finite_or(jnp.max(lq_c + tau, axis=-1)))            # [B, H, N, C]
-    row = _row_scaled(lk, sk)
-    if row:
-        # one scale per row: exp(l_k − τ − a_j) and exp(l_q + τ − β_i) are 1 in value, so the bounded
-        # values serve as the features as they are, and those factors ([.., C, 1]: they carry the scales'
-        # gradients) weight the rows of [V, 1] and of the output instead of the [C, F] values
-        fk, fq = sk_c.astype(F32), sq_c.astype(F32)
-        v1_c = v1_c * _unit(lk_c - tau - _finite_or(a)[..., None])
-        q_unit = _unit(lq_c + tau - beta[..., None])
-    else:
-        fk = _with_sign(jnp.exp(lk_c - tau - _finite_or(a)[..., None]), sk_c)
-        fq = _with_sign(jnp.exp(lq_c + tau - beta[..., None]), sq_c)
-    prefix = _fast_prefix(fk, a, v1_c, tau_p)
-
-    # α_i: is the anchor (first valid key) before this chunk? then the prefix holds mass at scale 0
-    pos = jnp.arange(n * c).reshape(n, c)
-    valid_c = _has_mass(lk_c)                                       # [B, H, N, C]
-    first = jnp.argmax(_has_mass(lk), axis=-1)                     # [B, H]
-    any_valid = jnp.any(_has_mass(lk), axis=-1)
-    before = any_valid[..., None] & (first[..., None] < pos[None, None, :, 0])   # [B, H, N]
-    alpha = jax.lax.cummax(jnp.where(valid_c, a, NEG_INF), axis=3)
-    alpha = sg(jnp.maximum(alpha, jnp.where(before, 0.0, NEG_INF)[..., None]))
-    scale = jnp.where(jnp.isfinite(alpha), beta + alpha, NEG_INF)  # −inf: no key yet
-    alpha = _finite_or(alpha)                                       # no key yet: the row is all zeros
-
-    # e^(a_j − α_i) ≤ 1 on the causal triangle; the log is masked before exp so that no inf·0 reaches
-    # the backward pass
-    tril = jnp.tril(jnp.ones((c, c), bool))
-    log_w = jnp.where(tril & valid_c[:, :, :, None, :], _finite_or(a)[:, :, :, None, :] - alpha[..., None],
-                      NEG_INF)
-    scores = jnp.einsum("bhnif,bhnjf->bhnij", fq, fk) * jnp.exp(log_w)
-    out = (jnp.exp(-alpha)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix)
-           + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c))
-    if row:
-        out = out * q_unit
-    return out.reshape(b, h, n * c, -1)[:, :, :l], scale.reshape(b, h, n * c)[:, :, :l]
-
-
 def _unit(log_one):
     """exp of a [.., 1] log-factor that is 0 where finite (−inf: a row without mass, → 0), with its
     gradient: 1 in value, d/dx = 1, and no inf reaching the backward pass."""
@@ -390,39 +451,18 @@ def _unit(log_one):
     return jnp.where(finite, jnp.exp(jnp.where(finite, log_one, 0.0)), 0.0)
 
 
-def _fast_prefix(fk, a, v1_c, tau_p):
-    """P_n [B, H, N, F, Dv+1] = Σ_{j in chunks < n} exp(l_k(j) − τ_n)·sign·[v_j, 1], from the keys the fast
-    path has already exponentiated (K̂_j = exp(l_k(j) − τ_n − a_j)): chunk n's own sum on its scale τ_n is
-    Σ_j K̂_j e^(a_j)[v_j, 1] (e^(a_j) ≤ e^FAST_EXCEEDANCE where the path is exact; clamped below float32's
-    overflow outside it), and a scan carries the running sum from τ_n to τ_(n+1) ≥ τ_n. One exp over
-    the keys instead of two."""
-    w = jnp.where(jnp.isfinite(a), jnp.exp(jnp.minimum(a, 80.0)), 0.0)
-    states = jnp.einsum("bhncd,bhncf->bhnfd", v1_c * w[..., None], fk)
-    # the scales as the keys used them: a feature no key has reached yet is on scale 0 (then τ may fall,
-    # for ReLU-like maps with −inf features; clamped below overflow)
-    tau = _finite_or(tau_p)
-    nxt = jnp.concatenate([tau[:, :, 1:], tau[:, :, -1:]], axis=2)
-    carry = jnp.exp(jnp.minimum(tau - nxt, 80.0))                  # [B, H, N, F]
-
-    def step(total, x):
-        s_n, keep = x
-        return (total + s_n) * keep[..., None], total
-
-    move = lambda t: jnp.moveaxis(t, 2, 0)
-    _, prefix = jax.lax.scan(step, jnp.zeros_like(states[:, :, 0]), (move(states), move(sg(carry))))
-    return jnp.moveaxis(prefix, 0, 2)
-
-
-def _causal_exact(lq, sq, lk, sk, v1, anchor, block, chunk_size):
+def _causal_exact(lq, sq, lk, sk, v1, anchor, block, chunk_size, start=None, seen=None):
     """Exact for any input: chunks of `chunk_size` tokens, each meeting the prefix of earlier chunks
     through states on their causal scale τ_n (as the fast path), and within the chunk blocks of `block`
     tokens whose diagonal blocks are formed in log space (`_exact_chunk`). The chunks run one at a time
     (lax.map) under jax.checkpoint, so neither the forward nor the backward ever holds more than one
-    chunk's [block, block, F] terms: the path's memory is that of the fast path, whatever L."""
+    chunk's [block, block, F] terms: the path's memory is that of the fast path, whatever L.
+    `start` [B, H, F, Dv+1]: a sum of earlier keys on the scale `anchor`; `seen` [B, H]: whether there
+    were any (a span of the causal scan)."""
     b, h, l, f = lq.shape
     size = block * -(-min(chunk_size, l) // block)                  # a whole number of blocks
     c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(
-        lq, sq, lk, sk, v1, anchor, size)
+        lq, sq, lk, sk, v1, anchor, size, start)
     first = lambda a: None if a is None else jnp.moveaxis(a, 2, 0)
     body = jax.checkpoint(lambda xs: _exact_chunk(*xs, block))
     out, ci = jax.lax.map(body, tuple(map(first, (lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix))))
@@ -430,8 +470,10 @@ def _causal_exact(lq, sq, lk, sk, v1, anchor, block, chunk_size):
     ci = jnp.moveaxis(ci, 0, 2).reshape(b, h, n * c)[:, :, :l]
     # the scale is −inf for queries before the first valid key: τ of the first block is the anchor,
     # which such a query has not seen, so c_i there is no term's size (the row is all zeros)
-    seen = _has_mass(lk).any(-1)[..., None] & (jnp.arange(l) >= jnp.argmax(_has_mass(lk), -1)[..., None])
-    return out, jnp.where(seen, ci, NEG_INF)
+    seen_i = jax.lax.cummax(_has_mass(lk).astype(jnp.int32), axis=2) > 0
+    if seen is not None:
+        seen_i = seen_i | seen[..., None]
+    return out, jnp.where(seen_i, ci, NEG_INF)
 
 
 def _exact_chunk(lq, sq, lk, sk, v1, tau0, start, block):

@@ -53,11 +53,11 @@ def _flip(a):
     return None if a is None else jnp.flip(a, axis=2)
 
 
-def _off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path):
+def _off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path, span):
     """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as linear._causal_sums gives them."""
     s = window + 1
     return linear._causal_sums(lq, sq, _shift(lk, s, NEG_INF), _shift(sk, s, 1.0), _shift(v1, s, 0.0),
-                               chunk_size, path)
+                               chunk_size, path, span)
 
 
 def _band(x, y, v1, has_key, left, right):
@@ -104,8 +104,9 @@ def combine(parts):
     return total
 
 
-@partial(jax.jit, static_argnames=("positive", "window", "causal", "chunk_size", "path"))
-def attend(lq, sq, lk, sk, x, y, v, valid, positive, window, causal, chunk_size=128, path="auto"):
+@partial(jax.jit, static_argnames=("positive", "window", "causal", "chunk_size", "path", "span"))
+def attend(lq, sq, lk, sk, x, y, v, valid, positive, window, causal, chunk_size=linear.CAUSAL_CHUNK, path="auto",
+           span=None):
     """[B, H, Lq, Dv]. lq/lk log-features and signs [B, H, L, F] as in favor.attention.linear, x/y the
     scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), v [B, H, Lk, Dv], valid [B, Lk] or None.
     Causal: queries aligned to the last keys (Lq ≤ Lk); bidirectional: Lq = Lk (the band is a relation
@@ -125,10 +126,10 @@ def attend(lq, sq, lk, sk, x, y, v, valid, positive, window, causal, chunk_size=
         sq = None if sq is None else jnp.pad(sq, front, constant_values=1.0)
     v1 = _ones_column(v)
     has_key = linear._has_mass(lk)
-    parts = [_off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path),
+    parts = [_off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path, span),
              _band(x, y, v1, has_key, window, 0 if causal else window)]
     if not causal:
-        out, s = _off_band_before(_flip(lq), _flip(sq), _flip(lk), _flip(sk), _flip(v1), window, chunk_size, path)
+        out, s = _off_band_before(_flip(lq), _flip(sq), _flip(lk), _flip(sk), _flip(v1), window, chunk_size, path, span)
         parts.append((_flip(out), _flip(s)))
     return _ratio(combine(parts)[:, :, l_k - l_q:], positive)
 
