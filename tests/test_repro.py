@@ -14,7 +14,7 @@ COLUMNS = {
     "crt-variance": ["regime", "comparison at σ = 1", "paper (log gain)", "favor (log gain)", "agrees"],
     "crt-classify": ["data set", "TrigRF", "PosRF", "OPRF", "PoisRF+", "exact kernel"],
     "simrf-mse": ["quantity", "paper", "favor"],
-    "simrf-classify": ["data set", "d", "IIDRF", "ORF", "SimRF", "SimRF+", "exact kernel"],
+    "simrf-classify": ["data set", "d", "v̄", "IIDRF", "ORF", "SimRF", "SimRF+", "exact kernel"],
     "hrf-pointwise": ["r", "estimator", "quantity", "paper", "favor (analytic)", "favor (empirical)"],
     "favor-sharp-variance": ["regime", "σ", "GERF (favor: oprf) log(Var/K²)", "SDERF log(Var/K²)"],
     "importance-sampling": ["regime", "σ", "PosRF", "PosRF + IS", "V* (Cor. 2) / Cor. 1 bound"],
@@ -132,5 +132,87 @@ def test_classification_data_from_npz_csv_and_bad_input(tmp_path):
         classify.load(str(tmp_path / "nope.csv"))
     with pytest.raises(ValueError, match="sklearn:iris"):
         classify.load("sklearn:mnist")
+    # a header line or text labels: a clear error naming the file and the expected layout
+    (tmp_path / "header.csv").write_text("a,b,c,label\n" + "\n".join(f"{i},{i},{i},{i % 2}" for i in range(6)))
+    (tmp_path / "words.csv").write_text("\n".join(f"{i},{i},{i},{'cat' if i % 2 else 'dog'}" for i in range(6)))
+    for bad in ("header.csv", "words.csv"):
+        with pytest.raises(ValueError, match=rf"{bad}.*integer class label in the last column.*no header"):
+            classify.load(str(tmp_path / bad))
+    (tmp_path / "frac.csv").write_text("\n".join(f"{i},{i},{i + 0.5}" for i in range(6)))
+    with pytest.raises(ValueError, match="frac.csv.*integer class labels"):
+        classify.load(str(tmp_path / "frac.csv"))
     assert main(["crt-classify", "--quick", "--mechanisms", "positive,favor++",
                  "--out", str(tmp_path / "o")]) == 2
+
+
+def test_crt_classify_runs_every_mechanism_and_prints_the_papers_table(tmp_path):
+    """Every registered mechanism (all estimate the kernel) runs through crt-classify on iris with a tiny
+    protocol, and the paper's Table 1 (its eight sets and its Average row) fills the columns of the
+    paper's mechanisms, GERF's included."""
+    from favor import kernels
+    from favor.repro import crt_classify
+
+    names = kernels.names()
+    out = tmp_path / "all"
+    assert main(["crt-classify", "--quick", "--seeds", "2", "--sigmas", "1", "--mechanisms", ",".join(names),
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "crt-classify.json").read_text())
+    cols = data["columns"]
+    labels = [crt_classify.LABELS.get(n, n) for n in names]
+    assert cols == ["data set"] + labels + ["exact kernel", "train size"]
+    res = data["figures"]["results"]["iris"]
+    assert all(0.0 <= res[lab]["mean"] <= 1.0 for lab in labels)
+    rows = {r[0]: r for r in data["rows"]}
+    assert set(crt_classify.PAPER_TABLE) == {"abalone", "banknote", "car", "yeast", "cmc", "nursery", "wifi",
+                                             "chess", "Average"}
+    for dname, accs in crt_classify.PAPER_TABLE.items():
+        row = next(r for k, r in rows.items() if k.startswith(f"paper: {dname} "))
+        for n, lab in zip(names, labels):
+            want = f"{accs[n]:.1f}" if n in accs else None
+            assert row[cols.index(lab)] == want, (dname, lab, row[cols.index(lab)], want)
+    # the paper's Average row is its own, and is the mean of its eight rows (to its rounding)
+    import numpy as np
+    for n, a in crt_classify.PAPER_AVERAGE.items():
+        rows8 = [crt_classify.PAPER_TABLE[k][n] for k in crt_classify.PAPER_TABLE if k != "Average"]
+        assert abs(np.mean(rows8) - a) <= 0.051, (n, np.mean(rows8), a)
+    assert crt_classify.PAPER_AVERAGE["oprf"] == 57.8 and crt_classify.PAPER_AVERAGE["trig"] == 35.5
+    md = (out / "crt-classify.md").read_text()
+    assert "GERF 56.1" in md and "m = " in md          # notes from this run: the paper's GERF, HRF's m
+
+
+def test_crt_classify_notes_follow_the_run(tmp_path):
+    """Notes name only mechanisms in the run and the budget given."""
+    out = tmp_path / "o"
+    assert main(["crt-classify", "--quick", "--seeds", "2", "--sigmas", "1", "--budget", "64",
+                 "--mechanisms", "positive,oprf", "--out", str(out)]) == 0
+    md = (out / "crt-classify.md").read_text().split("Claims of the paper")[1]     # the notes, not --help
+    assert "SDERF" not in md and "HRF" not in md and "TrigRF is last" not in md
+    assert "budget of 64" in md and "OPRF 57.8 > PosRF 54.3" in md
+
+
+def test_shift_eps_option_keeps_the_library_default():
+    import jax.numpy as jnp
+    from favor import kernels
+    from favor.kernels import discrete
+
+    x = jnp.asarray([[1.0, 2.0], [3.0, 5.0]])
+    for name in ("poisson+", "geometric+"):
+        assert kernels.options(name) == {"shift_eps": discrete.SHIFT_EPS} and discrete.SHIFT_EPS == 1e-2
+        c = kernels.get(name).fit(x, x).shift
+        assert jnp.allclose(c, jnp.asarray([1.0, 2.0]) - 1e-2)
+        c8 = kernels.get(name, shift_eps=0.5).fit(x, x).shift
+        assert jnp.allclose(c8, jnp.asarray([0.5, 1.5]))
+        with pytest.raises(ValueError, match="shift_eps"):
+            kernels.get(name, shift_eps=0.0)
+    assert kernels.options("poisson") == {} and kernels.options("geometric") == {}
+
+
+def test_simrf_classify_compares_the_papers_ordering(tmp_path):
+    out = tmp_path / "s"
+    assert main(["simrf-classify", "--quick", "--seeds", "3", "--out", str(out)]) == 0
+    data = json.loads((out / "simrf-classify.json").read_text())
+    comps = data["comparisons"]
+    assert len(comps) == 2 and all(v in ("agrees", "within noise", "disagrees") for _, v in comps)
+    assert all("± " in t and "z = " in t for t, _ in comps)
+    paper_wifi = next(r for r in data["rows"] if r[0].startswith("paper: wifi"))
+    assert paper_wifi[2] == 0.8 and paper_wifi[5] == "0.6314 ± 0.0018"

@@ -10,7 +10,8 @@ times e^{||u||²/2}) are
 The draw is integer vectors ω ∈ ℕ^d (iid only). Features carry the sign Π_l sgn(u_l)^{ω_l}: they are
 positive only for positive inputs. The '+' variants shift both sets by c (c_l below every x_l, y_l),
 which makes the shifted inputs positive; since x̂ᵀŷ = xᵀy − cᵀx − cᵀy + ||c||², each map gains the
-factor e^{cᵀu − ||c||²/2}.
+factor e^{cᵀu − ||c||²/2}. c_l = min over both sets − ε, ε the '+' variants' option shift_eps
+(default SHIFT_EPS = 1e-2; CRT §9.10.2 uses 1e-8).
 
 Parameters: λ* = (mean_{ij} Σ_l x_il² y_jl² / d)^½ (Thm 3.4, statistics by eq. 12) is the exact
 minimiser of the mean log second moment. Geometric p minimises CRT's surrogate, eq. 13 at the
@@ -30,6 +31,7 @@ from favor.kernels import stats
 from favor.kernels.base import SymmetricMechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
 
 SHIFT_EPS = 1e-2   # the ε of CRT §3.2.3: c_l = min over both sets of the l-th coordinate − ε
+# (the default of the '+' variants' shift_eps option; CRT §9.10.2 uses 1e-8 in its classification)
 P_BOUNDS = (1e-6, 1.0 - 1e-6)
 
 
@@ -93,7 +95,7 @@ class Discrete(SymmetricMechanism):
             lo_x = jnp.min(jnp.where(_valid(x_mask, x)[..., None], x, big), axis=-2)
             lo_y = jnp.min(jnp.where(_valid(y_mask, y)[..., None], y, big), axis=-2)
             lo = jnp.minimum(lo_x, lo_y)
-            shift = jnp.where(lo < big, lo - SHIFT_EPS, 0.0) + shift
+            shift = jnp.where(lo < big, lo - self.shift_eps, 0.0) + shift
             x, y = x - shift[..., None, :], y - shift[..., None, :]
         wx, wy = stats.row_weights(x, x_mask), stats.row_weights(y, y_mask)
         return DiscreteParams(rate=self._fit_rate(x, wx, y, wy), shift=shift, dim=d)
@@ -181,11 +183,22 @@ class Geometric(Discrete):
         return -params.dim * jnp.log(p) + jnp.sum(jnp.log(jax.scipy.special.i0e(t)) + t, -1)
 
 
-class PoissonPlus(Poisson):
+class _Shifted:
+    """The '+' variants: option shift_eps, the ε of c_l = min_l − ε (default SHIFT_EPS)."""
+    shifted = True
+    OPTIONS = {"shift_eps": SHIFT_EPS}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        eps = options.get("shift_eps", SHIFT_EPS)
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0):
+            raise ValueError(f"{self.name}: shift_eps must be a positive number; got {eps!r}")
+        self.shift_eps = float(eps)
+
+
+class PoissonPlus(_Shifted, Poisson):
     name = "poisson+"
-    shifted = True
 
 
-class GeometricPlus(Geometric):
+class GeometricPlus(_Shifted, Geometric):
     name = "geometric+"
-    shifted = True

@@ -31,8 +31,8 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a reduced protocol that runs in seconds (smaller sets, fewer seeds)")
-    parser.add_argument("--out", default=os.path.join("repro", name), help="output directory")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every draw and sample")
+    parser.add_argument("--out", default=os.path.join("repro", name), help="output directory (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every draw and sample (default: %(default)s)")
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     t0 = time.perf_counter()

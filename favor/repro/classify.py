@@ -21,7 +21,8 @@ import numpy as np
 from favor import kernels
 
 SKLEARN_SETS = ("iris", "wine", "breast_cancer", "digits")
-SHIFT_EPS = 1e-8   # CRT §9.10.2: queries are clamped to ≥ c + ε for the shifted (+) variants
+SHIFT_EPS = 1e-8   # CRT §9.10.2: queries are clamped to ≥ c + ε for the shifted (+) variants (a
+                   # method's shift_eps option, when it has one, takes its place)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +66,24 @@ def load(spec: str):
                                  f"missing {sorted(missing)} (has {sorted(f.files)})")
             x, y = np.asarray(f["x"], np.float32), np.asarray(f["y"])
     else:
-        table = np.loadtxt(spec, delimiter=",", dtype=np.float64, ndmin=2)
+        try:
+            table = np.loadtxt(spec, delimiter=",", dtype=np.float64, ndmin=2)
+        except ValueError as e:
+            raise ValueError(f"--data {spec!r}: a CSV must be numbers only, comma-separated, one row per "
+                             "example: the features, then an integer class label in the last column; no "
+                             f"header line, no text labels (numpy: {e})") from None
+        if table.shape[1] < 2:
+            raise ValueError(f"--data {spec!r}: a CSV needs at least two columns (features, then the "
+                             f"label); got {table.shape[1]}")
         x, y = table[:, :-1].astype(np.float32), table[:, -1]
     if x.ndim != 2 or y.shape != (x.shape[0],):
         raise ValueError(f"--data {spec!r}: x must be [N, d] and y [N]; got {x.shape} and {y.shape}")
     if not np.all(np.isfinite(x)):
         raise ValueError(f"--data {spec!r}: x has non-finite values")
-    if not np.allclose(y, np.round(y)):
-        raise ValueError(f"--data {spec!r}: labels must be integers")
+    frac = ~np.isclose(y, np.round(y))
+    if np.any(frac):
+        raise ValueError(f"--data {spec!r}: labels (y, or a CSV's last column) must be integer class "
+                         f"labels; row {int(np.argmax(frac))} has {y[frac][0]!r}")
     _, y = np.unique(np.round(y).astype(np.int64), return_inverse=True)
     return x, y, name
 
@@ -119,11 +130,12 @@ def _predict(lq, sq, lk, sk, onehot):
 def _accuracy_fn(method: Method):
     mech = kernels.get(method.mechanism, **dict(method.options))
     shifted = method.mechanism in ("poisson+", "geometric+")
+    eps = float(dict(method.options).get("shift_eps", SHIFT_EPS))
 
     @jax.jit
     def accuracies(keys, params, xq, yq, xk, onehot):
         if shifted:   # no test data in c: it comes from the training split; queries are clamped
-            xq = jnp.maximum(xq, params.shift + SHIFT_EPS)
+            xq = jnp.maximum(xq, params.shift + eps)
 
         def one(key):
             w = mech.draw(key, method.num_features, params, method.coupling)
@@ -195,6 +207,7 @@ def plot_accuracies(ax, results, labels, tick, title):
     ax.set_ylabel("test accuracy (%), mean ± sd over feature seeds")
     lo = min(100 * results[d][lab]["mean"] for d in dnames for lab in labels)
     ax.set_ylim(max(0.0, lo - 10), 101)
-    ax.legend(fontsize=7, ncol=min(len(labels), 6))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              title="method", title_fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title)

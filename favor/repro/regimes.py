@@ -66,14 +66,15 @@ def sample(regime: str, sigma: float, size: int, d: int, rng: np.random.Generato
     raise ValueError(f"unknown regime {regime!r}; valid: {', '.join(REGIMES)}")
 
 
-def pair_log_variances(mech, x, y, gaussian=True, row_chunk=128):
+def pair_log_variances(mech, x, y, gaussian=True, row_chunk=128, params=None):
     """log Var of one sample of `mech`'s estimator for every pair (x_i, y_j), float64 numpy
     [Lx, Ly], with the mechanism fitted on the two sets (the papers' protocol). gaussian=True: of
     the Gaussian kernel exp(−||x − y||²/2) = e^{−||x||²/2} SM(x, y) e^{−||y||²/2}, whose estimator
     is the softmax one times those factors, so its log-variance is the softmax one − ||x||² − ||y||².
-    Rows go in chunks: the discrete mechanisms' second moment builds [rows, Ly, d]."""
+    Rows go in chunks: the discrete mechanisms' second moment builds [rows, Ly, d]. params: the
+    mechanism's parameters instead of its fit (e.g. another geometric p)."""
     x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
-    params = _fit_fn(mech)(x, y)
+    params = _fit_fn(mech)(x, y) if params is None else params
     fn = _log_variance_fn(mech)
     out = [np.asarray(fn(x[i:i + row_chunk], y, params), np.float64)
            for i in range(0, x.shape[0], row_chunk)]

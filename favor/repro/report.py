@@ -17,7 +17,9 @@ class Report:
     """title: one line; columns/rows: the table (rows of plain values; None prints as '–');
     notes: paragraphs under the table (where favor agrees with the paper and where not, and why);
     figures: the raw numbers, JSON-able; plot(fig): draws the figure on a matplotlib Figure;
-    checks: (claim, holds) pairs, the paper's claims tested on favor's figures."""
+    checks: (claim, holds) pairs, the paper's claims tested on favor's figures (the tests require them
+    to hold); comparisons: (text, verdict) pairs, verdict one of VERDICTS: a paper's claim set beside
+    favor's figure where favor may disagree, reported rather than required."""
     title: str
     protocol: str
     columns: list[str]
@@ -26,6 +28,7 @@ class Report:
     plot: Callable[[Any], None]
     notes: list[str] = dataclasses.field(default_factory=list)
     checks: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
+    comparisons: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     figsize: tuple[float, float] = (11.0, 4.2)
     seconds: float = 0.0
 
@@ -39,10 +42,22 @@ class Report:
         if self.checks:
             lines += ["", "Claims of the paper, checked on these figures:", ""]
             lines += [f"- {'✓' if ok else '✗'} {claim}" for claim, ok in self.checks]
+        if self.comparisons:
+            lines += ["", "The paper's claims beside favor's figures (✓ agrees, ≈ within noise, ✗ disagrees):", ""]
+            lines += [f"- {VERDICTS[v]} {v}: {text}" for text, v in self.comparisons]
         if self.notes:
             lines += [""] + [n.strip() + "\n" for n in self.notes]
         lines += ["", f"Computed in {self.seconds:.0f} s."]
         return "\n".join(lines).rstrip() + "\n"
+
+
+VERDICTS = {"agrees": "✓", "within noise": "≈", "disagrees": "✗"}
+
+
+def verdict(z, margin=2.0):
+    """'agrees' when the paper's direction holds beyond `margin` standard errors (z = difference in the
+    paper's direction / its SE), 'disagrees' when the opposite does, else 'within noise'."""
+    return "agrees" if z > margin else "disagrees" if z < -margin else "within noise"
 
 
 def _cell(c):
@@ -96,7 +111,8 @@ def write(result: Report, out_dir: str, name: str, quick=False):
                       ("json", json.dumps(_jsonable({"title": result.title, "quick": quick,
                                                      "seconds": result.seconds,
                                                      "columns": result.columns, "rows": result.rows,
-                                                     "checks": result.checks, "figures": result.figures}),
+                                                     "checks": result.checks,
+                                                     "comparisons": result.comparisons, "figures": result.figures}),
                                           indent=1))):
         with open(paths[ext] + ".tmp", "w") as f:
             f.write(text)
