@@ -156,7 +156,14 @@ class ExponentialMechanism(Mechanism):
         return Projections(omega=z, log_weights=jnp.zeros((num_features,), jnp.float32))
 
     def adapt_draw(self, base, params):
-        """Importance sampling moves the coupled standard draw z to the proposal: ω = μ + S z."""
+        """An orthogonal transform U (SDERF's eigenvectors) meets the draw as Uᵀz: the map's projection
+        U·diag(√(1−4a))·Uᵀz and quadratic zᵀU·diag(a)·Uᵀz are then functions of U·diag(·)·Uᵀ only, the
+        same for any eigenbasis of a repeated or nearly repeated eigenvalue (eigensolvers, and a jit and
+        an eager call, pick different ones; read in the eigenbasis, z would be rotated by that choice: a
+        different draw for the same data). Uᵀz is the same standard (coupled) draw in distribution.
+        Importance sampling then moves it to the proposal: ω = μ + S z."""
+        if params.transform == "orthogonal":
+            base = Projections(omega=base.omega @ params.tq, log_weights=base.log_weights)
         if not params.importance:
             return base
         z = base.omega
