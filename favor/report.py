@@ -365,6 +365,10 @@ def plot(runs, rep: dict, out: Path, title: str = "") -> None:
                 axes[1].plot([p[1] for p in timed], [p[2] for p in timed], **style)
     axes[0].set_xlabel("training step")
     axes[1].set_xlabel("wall-clock time of the run (s, evaluation included)")
+    times = [x for line in axes[1].get_lines() for x in line.get_xdata() if x > 0]
+    if times and max(times) > 20 * min(times):       # one slow kind would squeeze every other curve
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("wall-clock time of the run (s, evaluation included; log scale)")
     for ax in axes:
         ax.set_ylabel(f"eval {metric}")
         ax.grid(alpha=0.3)

@@ -101,7 +101,7 @@ class FeatureAttention(Attention, abc.ABC):
     """Linear attention over a feature map given in log space; subclasses give the map.
 
     Options: chunk_size (tokens per chunk of the passes over L; None: each pass's own, the fastest
-    measured: 64 causal, 512 bidirectional, ReLU/ELU's bidirectional the whole length), causal_path
+    measured: 128 causal, 512 bidirectional, ReLU/ELU's bidirectional the whole length), causal_path
     ("auto", "fast", "exact": see favor.attention.linear.causal_maps; "auto" is exact for any input) and
     causal_span (tokens per step of the causal scan, a whole number of chunks; None: 512)."""
 

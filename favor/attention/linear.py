@@ -99,7 +99,7 @@ def _divide_jvp(primals, tangents):
 # used and dropped while it is in cache: written as whole [L, F] arrays, the features cost more memory
 # traffic than the contractions (FAVOR+ at L = 8192, B·H = 4: 114 → 71 ms; chunks of 128/256/512/1024/2048: 110/102/71/75/85 ms).
 BIDIRECTIONAL_CHUNK = 512
-CAUSAL_CHUNK = 128        # chunk sweep at L = 8192 (favor+): 32/64/128/256 → 2.13/1.79/1.73/2.04× bidirectional
+CAUSAL_CHUNK = 128        # with spans of 512 (below), chunks of 32/64/128 measured alike at L = 8192 (favor+)
 
 
 def bidirectional(lq, sq, lk, sk, v, valid=None, positive=True):
