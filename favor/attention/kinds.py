@@ -358,10 +358,9 @@ class RandomFeatureAttention(FeatureAttention):
             raise ValueError(f"{self.name} with window={self.window}: the band relates positions of one "
                              f"sequence, so bidirectional attention needs Lq = Lk; got {q.shape[1]} and {k.shape[1]}")
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
-        (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)
         x, y = self.scaled(q, k)
-        out = window_lib.attend(lq, sq, lk, sk, x, y, _to_bhld(v), mask, self.positive, self.window, causal,
-                                self.chunk_size, self.causal_path, self.causal_span)
+        out = window_lib.attend(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, self.positive,
+                                self.window, causal, self.chunk_size, self.causal_path, self.causal_span)
         return _to_bhld(out).astype(v.dtype)
 
     def decode_init(self, batch, heads, dim, dv):

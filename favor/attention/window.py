@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.attention import linear
-from favor.attention.linear import F32, NEG_INF, _finite_or, _mask_keys, _ones_column, _ratio
+from favor.attention.linear import F32, NEG_INF, _finite_or, _length, _ones_column, _ratio
 
 sg = jax.lax.stop_gradient
 MIN_BLOCK = 16            # the band's query block is max(w, MIN_BLOCK) tokens (at most L)
@@ -53,11 +53,17 @@ def _flip(a):
     return None if a is None else jnp.flip(a, axis=2)
 
 
-def _off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path, span):
-    """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as linear._causal_sums gives them."""
+def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span):
+    """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as linear._causal_sums gives them.
+    The key *inputs* move w + 1 positions later (the first w + 1 rows no key), so the causal pass makes
+    the features span by span from them, as the plain causal pass does."""
     s = window + 1
-    return linear._causal_sums(lq, sq, _shift(lk, s, NEG_INF), _shift(sk, s, 1.0), _shift(v1, s, 0.0),
-                               chunk_size, path, span)
+    l = _length(y)
+    valid = jnp.ones((1, l), bool) if valid is None else jnp.asarray(valid, bool)
+    valid = jnp.pad(valid, ((0, 0), (s, 0)))[:, :l]
+    y = jax.tree.map(lambda a: _shift(a, s, 0.0), y)
+    return linear._causal_sums_maps(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size,
+                                    path, span)
 
 
 def _band(x, y, v1, has_key, left, right):
@@ -104,32 +110,35 @@ def combine(parts):
     return total
 
 
-@partial(jax.jit, static_argnames=("positive", "window", "causal", "chunk_size", "path", "span"))
-def attend(lq, sq, lk, sk, x, y, v, valid, positive, window, causal, chunk_size=linear.CAUSAL_CHUNK, path="auto",
-           span=None):
-    """[B, H, Lq, Dv]. lq/lk log-features and signs [B, H, L, F] as in favor.attention.linear, x/y the
-    scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), v [B, H, Lk, Dv], valid [B, Lk] or None.
-    Causal: queries aligned to the last keys (Lq ≤ Lk); bidirectional: Lq = Lk (the band is a relation
-    between positions of one sequence)."""
-    l_q, l_k = lq.shape[2], lk.shape[2]
+@partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path",
+                                   "span"))
+def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, chunk_size=linear.CAUSAL_CHUNK,
+           path="auto", span=None):
+    """[B, H, Lq, Dv]. x/y the scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), from which
+    query_map(ctx, x) / key_map(ctx, y) make the log-features row by row (as in
+    favor.attention.linear.causal_maps; every key a valid mask admits has finite log-features),
+    v [B, H, Lk, Dv], valid [B, Lk] or None. Causal: queries aligned to the last keys (Lq ≤ Lk);
+    bidirectional: Lq = Lk (the band is a relation between positions of one sequence)."""
+    l_q, l_k = x.shape[2], y.shape[2]
     if causal and l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
                          f"got Lq = {l_q}, Lk = {l_k}")
     if not causal and l_q != l_k:
         raise ValueError(f"window attention relates positions of one sequence: bidirectional needs Lq = Lk; "
                          f"got Lq = {l_q}, Lk = {l_k}")
-    lq, lk = lq.astype(F32), _mask_keys(lk.astype(F32), valid)
     x, y = x.astype(F32), y.astype(F32)
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
-        front = ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))
-        lq, x = jnp.pad(lq, front), jnp.pad(x, front)
-        sq = None if sq is None else jnp.pad(sq, front, constant_values=1.0)
+        x = jnp.pad(x, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
     v1 = _ones_column(v)
-    has_key = linear._has_mass(lk)
-    parts = [_off_band_before(lq, sq, lk, sk, v1, window, chunk_size, path, span),
+    b, h = y.shape[:2]
+    has_key = jnp.broadcast_to((jnp.ones((1, l_k), bool) if valid is None else jnp.asarray(valid, bool))[:, None],
+                               (b, h, l_k))
+    parts = [_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span),
              _band(x, y, v1, has_key, window, 0 if causal else window)]
     if not causal:
-        out, s = _off_band_before(_flip(lq), _flip(sq), _flip(lk), _flip(sk), _flip(v1), window, chunk_size, path, span)
+        flipped = None if valid is None else jnp.flip(jnp.asarray(valid, bool), axis=1)
+        out, s = _off_band_before(query_map, key_map, ctx, _flip(x), _flip(y), _flip(v1), flipped, window,
+                                  chunk_size, path, span)
         parts.append((_flip(out), _flip(s)))
     return _ratio(combine(parts)[:, :, l_k - l_q:], positive)
 
