@@ -289,9 +289,11 @@ def _causal_span(query_map, key_map, ctx, c, path, carry, inputs):
     lk, sk = key_map(ctx, y)
     lq, v1 = lq.astype(F32), v1.astype(F32)
     lk = jnp.where(valid[:, None, :, None], lk.astype(F32), NEG_INF)
-    has = _has_mass(lk)                                             # [B, H, S]
-    tau0 = sg(jnp.where(seen[..., None], tau, _anchor(lk)))        # [B, H, F], −inf: no key at all yet
+    # [B, H, F], −inf: no key at all yet. The anchor (a pass over the span's keys) is only needed until
+    # every row has seen a key, so after the first span it is skipped
+    tau0 = sg(jax.lax.cond(jnp.all(seen), lambda: tau, lambda: jnp.where(seen[..., None], tau, _anchor(lk))))
     a = sg(jnp.max(lk - _finite_or(tau0)[:, :, None], axis=-1))    # [B, H, S], −inf: no key
+    has = jnp.isfinite(a)        # = _has_mass(lk): lk − (finite τ0) is finite where lk is
     new_tau = sg(jnp.maximum(tau0, jnp.max(lk, axis=2)))
     ops = (lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau)
     if path == "fast":
@@ -313,10 +315,14 @@ def _fast_span(lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau, c):
     per-key scalar a_j = max_f(l_k(j, f) − τ0_f); query i by β_i = max_f(l_q(i, f) + τ0_f). With
     α_i = max(0 if a key came before the span, max_{valid j ≤ i in the span} a_j) and c_i = β_i + α_i,
 
-        out_i ∝ e^(−α_i)·Q̂_i (T + P_n) + Σ_{j ≤ i in i's chunk} (Q̂_i·K̂_j)·e^(a_j − α_i)·[v_j, 1],
+        out_i ∝ e^(−α_i)·[Q̂_i (T + P_n) + Σ_{j ≤ i in i's chunk} (Q̂_i·K̂_j)·e^(a_j)·[v_j, 1]],
 
-    P_n the states of the span's earlier chunks, Σ_j K̂_j e^(a_j)[v_j, 1] on scale τ0: every factor
-    ≤ 1 after e^(−α_i), the denominator ≥ e^(−α_i), and exact while every a_j ≤ FAST_EXCEEDANCE.
+    P_n the states of the span's earlier chunks, Σ_j K̂_j e^(a_j)[v_j, 1] on scale τ0: the key weights
+    e^(a_j) are the states' own, so the in-chunk part is a masked matmul with no [S, C] exponential. Every
+    factor is ≤ 1 but e^(a_j) ≤ e^FAST_EXCEEDANCE, the denominator ≥ e^(−α_i), and the result exact
+    while every a_j ≤ FAST_EXCEEDANCE: a key whose e^(a_j) underflows (a_j < −87) is below F·e^(−87) of
+    the denominator. Each factor depends on its own key or query and the carry only, so the pass is
+    causal bit for bit (a chunk-wide reference would make earlier outputs round with later keys).
     Returns (out [B, H, S, Dv+1], its log-scale β_i + α_i, the carry's sum on scale τ')."""
     b, h, s, _ = lq.shape
     n = s // c
@@ -334,28 +340,25 @@ def _fast_span(lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau, c):
     else:
         fk = _with_sign(jnp.exp(lk - t - af[..., None]), sk)
         fq = _with_sign(jnp.exp(lq + t - beta[..., None]), sq)
-    alpha = jax.lax.cummax(jnp.where(has, a, NEG_INF), axis=2)
+    alpha = jax.lax.cummax(a, axis=2)                               # a is −inf exactly where no key
     alpha = sg(jnp.maximum(alpha, jnp.where(seen, 0.0, NEG_INF)[..., None]))
     scale = jnp.where(jnp.isfinite(alpha), beta + alpha, NEG_INF)  # −inf: no key yet
     alpha = _finite_or(alpha)                                       # no key yet: the row is all zeros
 
     chunked = lambda z: z.reshape(b, h, n, c, *z.shape[3:])
-    fk_n, fq_n, v1_n, a_n, alpha_n, has_n = map(chunked, (fk, fq, v1, af, alpha, has))
-    # chunk states on scale τ0 (e^(a_j) ≤ e^FAST_EXCEEDANCE where the path is exact; clamped there
-    # outside it, where forced "fast" is wrong anyway, so that its sums stay finite: an inf here would
-    # turn the zero gradient of an unused output into NaN for every key), and each chunk's prefix: the
-    # carry plus the span's earlier chunks
+    # key weights e^(a_j) (0: no key), clamped at FAST_EXCEEDANCE outside the guarantee (forced "fast")
+    # so that the sums stay finite there too: an inf here would turn the zero gradient of an unused
+    # output into NaN for every key
     w = jnp.where(jnp.isfinite(a), jnp.exp(jnp.minimum(a, FAST_EXCEEDANCE)), 0.0)
-    states = jnp.einsum("bhncd,bhncf->bhnfd", v1_n * chunked(w)[..., None], fk_n)      # [B, H, N, F, Dv+1]
+    fk_n, fq_n, v1w, alpha_n = map(chunked, (fk, fq, v1 * w[..., None], alpha))
+    # chunk states on scale τ0, and each chunk's prefix: the carry plus the span's earlier chunks
+    states = jnp.einsum("bhncd,bhncf->bhnfd", v1w, fk_n)                                # [B, H, N, F, Dv+1]
     inclusive = jnp.cumsum(states, axis=2)
     prefix = total[:, :, None] + jnp.concatenate([jnp.zeros_like(states[:, :, :1]), inclusive[:, :, :-1]], 2)
-    # e^(a_j − α_i) ≤ 1 on the causal triangle; the log is masked before exp so that no inf·0 reaches
-    # the backward pass
     tril = jnp.tril(jnp.ones((c, c), bool))
-    log_w = jnp.where(tril & has_n[:, :, :, None, :], a_n[:, :, :, None, :] - alpha_n[..., None], NEG_INF)
-    scores = jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n) * jnp.exp(log_w)
-    out = (jnp.exp(-alpha_n)[..., None] * jnp.einsum("bhnif,bhnfd->bhnid", fq_n, prefix)
-           + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_n)).reshape(b, h, s, -1)
+    scores = jnp.where(tril, jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n), 0.0)
+    out = (jnp.exp(-alpha_n)[..., None] * (jnp.einsum("bhnif,bhnfd->bhnid", fq_n, prefix)
+                                           + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1w))).reshape(b, h, s, -1)
     if row:
         out = out * q_unit
     total = (total + inclusive[:, :, -1]) * _carry_keep(tau0, new_tau)[..., None]
