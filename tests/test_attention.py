@@ -665,3 +665,31 @@ def test_causal_elementwise_kinds_with_tiny_features(kind):
     out = make(kind, chunk_size=2)(q, k, v, causal=True)
     ref, _ = reference.attention(make(kind), q, k, v, None, None, True)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,phi", [("relu", lambda u: np.maximum(u, 0.0)),
+                                      ("elu", lambda u: np.where(u > 0, u + 1.0, np.exp(np.minimum(u, 0.0))))])
+def test_plain_causal_path_of_elementwise_kinds(kind, phi):
+    """linear.causal_plain (ReLU/ELU's "auto" where their features allow) against a float64 L×L form
+    written here: padding (a row with no key), Lq < Lk, chunks that do not divide L, norms up to 10·√D;
+    and the range check that picks it: normal features pass, features whose products underflow do not."""
+    rng = np.random.default_rng(7)
+    attn = make(kind)
+    for lq, lk, c, scale in ((1, 1, 4, 1.0), (9, 9, 4, 1.0), (7, 12, 4, 10.0), (33, 33, 8, 10.0)):
+        q, k = (rng.normal(size=(2, n, 2, 8)) * scale for n in (lq, lk))
+        v = rng.normal(size=(2, lk, 2, 3))
+        mask = rng.random((2, lk)) > 0.3
+        mask[1] = False
+        to_bhld = lambda a: jnp.asarray(np.moveaxis(a, 1, 2), jnp.float32)
+        assert bool(linear.plain_features_safe(attn.phi, to_bhld(q), to_bhld(k), jnp.asarray(mask)))
+        out = np.moveaxis(np.asarray(linear.causal_plain(attn.phi, to_bhld(q), to_bhld(k), to_bhld(v),
+                                                         jnp.asarray(mask), True, c), np.float64), 1, 2)
+        w = np.einsum("bihf,bjhf->bhij", phi(q), phi(k))
+        seen = (np.arange(lq)[:, None] + lk - lq >= np.arange(lk)[None]) & mask[:, None, None, :]
+        w = np.where(seen, w, 0.0)
+        den = w.sum(-1)
+        ref = np.einsum("bhij,bjhd->bihd", w, v) / np.where(den > 0, den, 1.0).transpose(0, 2, 1)[..., None]
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6 * np.abs(ref).max(), err_msg=f"{lq} {lk} {c}")
+        assert np.all(out[1] == 0)                                        # no valid key: 0
+    tiny = jnp.full((1, 1, 4, 2), 1e-19)
+    assert not bool(linear.plain_features_safe(jax.nn.relu, tiny, tiny))

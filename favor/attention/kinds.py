@@ -102,14 +102,17 @@ class FeatureAttention(Attention, abc.ABC):
 
     Options: chunk_size (tokens per chunk of the passes over L; None: each pass's own, the fastest
     measured: 128 causal, 512 bidirectional, ReLU/ELU's bidirectional the whole length), causal_path
-    ("auto", "fast", "exact": see favor.attention.linear.causal_maps; "auto" is exact for any input) and
+    ("auto", "fast", "exact": see favor.attention.linear.causal_maps; "auto" is exact for any input;
+    for ReLU/ELU "auto" is linear.causal_plain, their features used without log space, where their
+    range allows) and
     causal_span (tokens per step of the causal scan, a whole number of chunks; None: 512)."""
 
     positive = True
     OPTIONS = {"chunk_size": None, "causal_path": "auto", "causal_span": None}
     BIDIRECTIONAL_CHUNK = linear.BIDIRECTIONAL_CHUNK   # the bidirectional pass's default (None: whole L)
     # The fast causal path's guarantee needs every key log-feature finite (each feature's reference is
-    # then reached by a real key); maps with exact zero features run "auto" as "exact".
+    # then reached by a real key); maps with exact zero features (ElementwiseAttention) run "auto" as
+    # linear.causal_plain on their `phi` (or "exact" outside its range).
     finite_features = True
 
     def __init__(self, **options):
@@ -167,11 +170,19 @@ class FeatureAttention(Attention, abc.ABC):
         vv = _to_bhld(v)
         x, y = self.inputs(q, k)
         if causal:
-            path = self.causal_path
-            if path == "auto" and not self.finite_features:
-                path = "exact"
-            out = linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
-                                     self.chunk_size, path, self.causal_span)
+            if self.causal_path == "auto" and not self.finite_features:
+                # features with no exponential in them need no log space (linear.causal_plain) unless
+                # some are so small (or large) that their products leave float32's normal range: then
+                # the exact log-space path. One decision for the whole input
+                exact = lambda x, y, vv: linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask,
+                                                           self.positive, self.chunk_size, "exact",
+                                                           self.causal_span)
+                plain = lambda x, y, vv: linear.causal_plain(self.phi, x, y, vv, mask, self.positive,
+                                                             self.chunk_size)
+                out = jax.lax.cond(linear.plain_features_safe(self.phi, x, y, mask), plain, exact, x, y, vv)
+            else:
+                out = linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
+                                         self.chunk_size, self.causal_path, self.causal_span)
         else:
             out = linear.bidirectional_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
                                             self.bidirectional_chunk)
@@ -199,8 +210,11 @@ class ElementwiseAttention(FeatureAttention):
     """Linear attention with a fixed elementwise feature map φ ≥ 0, the same for queries and keys."""
 
     # ReLU's exact zeros (and ELU's underflow below −87) are −inf log-features: no feature reference
-    # for the fast causal path is then guaranteed to be reached by a key (a query whose strongest
-    # feature no key carries would lose every term to underflow), so "auto" runs the exact path
+    # for the fast log-space causal path is then guaranteed to be reached by a key (a query whose
+    # strongest feature no key carries would lose every term to underflow). Their features have no
+    # exponential in them, so "auto" runs them as they are (linear.causal_plain, with `phi`) while
+    # every nonzero feature is in linear.PLAIN_RANGE, else the exact path; "fast" and "exact" stay the
+    # log-space paths
     finite_features = False
     # F = D features made by one elementwise op: too cheap for chunks to pay (ReLU at L = 8192: fwd
     # 30 → 35 ms, fwd+bwd 65 → 82 ms in chunks of 512), so the bidirectional pass takes L at once

@@ -247,6 +247,52 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     return _ratio(out[:, :, l_k - l_q:], positive)
 
 
+@partial(jax.jit, static_argnames=("phi", "positive", "chunk_size"))
+def causal_plain(phi, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
+    """Causal attention for an elementwise feature map φ ≥ 0 with no exponential in it (ReLU, ELU + 1):
+    the features φ(x), φ(y) [B, H, L, F] are used as they are, not through log space — they cannot
+    overflow (φ ≤ |u| + 1), so there is nothing for a stabiliser to do, and the log-space paths' −inf
+    features (ReLU's exact zeros) would only push them onto the exact path at several times the cost.
+    Chunks of `chunk_size`: each chunk's state Σ φ_k(j)[v_j, 1] (a matmul), the exclusive prefix of
+    earlier chunks by a cumulative sum, the chunk's own keys by a masked [C, C] product. Queries aligned
+    to the last keys (Lq ≤ Lk). Exact to rounding while `plain_features_safe` holds (products that
+    underflow would be lost: features of 1e-19 whose products carry a row's only mass); a query whose
+    features are all 0 outputs 0."""
+    l_q, l_k = x.shape[2], y.shape[2]
+    if l_q > l_k:
+        raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
+                         f"got Lq = {l_q}, Lk = {l_k}")
+    x = jnp.pad(x.astype(F32), ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
+    fq, fk = phi(x), phi(y.astype(F32))
+    if valid is not None:
+        fk = jnp.where(jnp.asarray(valid, bool)[:, None, :, None], fk, 0.0)
+    c = min(chunk_size, l_k)
+    fq_n, fk_n, v1_n = _chunks(fq, c), _chunks(fk, c), _chunks(_ones_column(v), c)      # pad rows: zeros
+    states = jnp.einsum("bhncd,bhncf->bhnfd", v1_n, fk_n)                                # [B, H, N, F, Dv+1]
+    prefix = jnp.cumsum(states, axis=2) - states                                        # chunks before n
+    tril = jnp.tril(jnp.ones((c, c), bool))
+    scores = jnp.where(tril, jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n), 0.0)
+    out = jnp.einsum("bhnif,bhnfd->bhnid", fq_n, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_n)
+    b, h, n = out.shape[:3]
+    return _ratio(out.reshape(b, h, n * c, -1)[:, :, l_k - l_q:l_k], positive)
+
+
+# causal_plain is exact to float32 rounding while every nonzero feature lies in [2^-60, 2^40]: every
+# product of a query and a key feature is then a normal float32 (≥ 2^-120) and no sum over L·F < 2^47
+# terms overflows. Kinds run it where that holds and the exact log-space path otherwise.
+PLAIN_RANGE = (2.0 ** -60, 2.0 ** 40)
+
+
+def plain_features_safe(phi, x, y, valid=None):
+    """Whether every nonzero feature φ(x), φ(y) of the valid tokens lies in PLAIN_RANGE (a scalar)."""
+    lo, hi = PLAIN_RANGE
+    fk = phi(y.astype(F32))
+    if valid is not None:
+        fk = jnp.where(jnp.asarray(valid, bool)[:, None, :, None], fk, 0.0)
+    ok = lambda f: jnp.all((f == 0) | ((f >= lo) & (f <= hi)))
+    return ok(phi(x.astype(F32))) & ok(fk)
+
+
 def _causal_sums(lq, sq, lk, sk, v1, chunk_size, path, span=None):
     """Σ_{j≤i} φ_q(i)ᵀφ_k(j)[v_j, 1] on query i's own scale: (out [B, H, L, Dv+1], log-scale [B, H, L]),
     the true sums being e^scale · out; scale is −inf where query i sees no key (then out is 0).
