@@ -45,6 +45,17 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. An xdist worker compiles thousands of programs
+    in one process and XLA:CPU keeps each one's machine code mapped; a long compile-heavy process here
+    died of "LLVM ERROR: Unable to allocate section memory" (and segfaults inside compilation), the same
+    native crashes that took down a worker in full runs. Modules share few programs, and the persistent
+    cache above serves the ones they do."""
+    yield
+    jax.clear_caches()
+
+
 def xla_flags(*flags):
     """The environment's XLA_FLAGS (the suite's, above) with `flags` added: for subprocesses."""
     return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()

@@ -138,8 +138,10 @@ def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, ch
     b, h = y.shape[:2]
     has_key = jnp.broadcast_to((jnp.ones((1, l_k), bool) if valid is None else jnp.asarray(valid, bool))[:, None],
                                (b, h, l_k))
-    parts = [_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span),
-             _band(x, y, v1, has_key, window, 0 if causal else window)]
+    parts = [_band(x, y, v1, has_key, window, 0 if causal else window)]
+    if window >= l_k - 1:      # every key of every query is on the band: exact softmax, no feature pass
+        return _ratio(combine(parts)[:, :, l_k - l_q:], positive)
+    parts.append(_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span))
     if not causal:
         flipped = None if valid is None else jnp.flip(jnp.asarray(valid, bool), axis=1)
         out, s = _off_band_before(query_map, key_map, ctx, _flip(x), _flip(y), _flip(v1), flipped, window,
