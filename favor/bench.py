@@ -1,6 +1,7 @@
 """Benchmarks: `python -m favor.bench attention [--lengths 512,1024] [--kinds favor+,softmax]` and
 `python -m favor.bench train --config configs/<file>.py[:args] --metric wer --target 0.5 [-- FLAGS]` and
 `python -m favor.bench parts [--length 8192]` (FAVOR+'s forward against the cost of its parts) and
+`python -m favor.bench ratios [--length 8192] [--rounds 15]` (issue 13's speed targets, timed round-robin) and
 `python -m favor.bench uptrain [--config configs/default.py]` (every kind started from a softmax run:
 favor/bench_uptrain.py).
 
@@ -171,6 +172,109 @@ def run(kinds, lengths, repeats, out_dir, on_row=None):
     return rows
 
 
+# -- ratios: forward times of several programs measured round-robin --------------------------------------
+# Issue 13's speed targets, each "numerator : denominator ≤ target". An entry is kind/mode; "matmul:kind/mode"
+# is a square matmul with that entry's forward FLOP count (as in the attention table).
+TARGETS = (("favor/bidir", "favor+/bidir", 2.5), ("hrf/bidir", "favor+/bidir", 2.5),
+           ("favor+/bidir", "matmul:favor+/bidir", 2.0),
+           *((f"{k}/causal", f"{k}/bidir", 1.5) for k in ("favor+", "simrf", "favor++", "favor#", "favor", "hrf",
+                                                          "relu", "elu")),
+           ("favor+@64/causal", "favor+/causal", 1.25), ("favor#@64/causal", "favor#/causal", 1.25))
+
+
+def _entry(text):
+    spec, _, mode = text.rpartition("/")
+    if mode not in ("bidir", "causal") or not spec:
+        raise ValueError(f"ratio entry {text!r}: expected kind/bidir or kind/causal (or matmul:kind/mode)")
+    matmul = spec.startswith("matmul:")
+    kind = spec[len("matmul:"):] if matmul else spec
+    if kind.partition("@")[0].partition(":")[0] not in attention.names():
+        raise ValueError(f"ratio entry {text!r}: unknown kind {kind!r}; valid: {', '.join(attention.names())}")
+    return kind, mode == "causal", matmul
+
+
+def _forward(spec, length, causal):
+    """(jitted forward, its arguments, forward FLOPs) of one kind, set up as `measure` does."""
+    kind, opts = kind_options(spec)
+    attn = attention.get(kind, **opts)
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
+    stats = attn.statistics(q, k) if causal and getattr(attn, "data_dependent", False) else None
+    args = (q, k, v, ks[3])
+    compiled, _, flops = _compile(lambda q, k, v, r: attn(q, k, v, causal=causal, rng=r, stats=stats), args)
+    twin = flop_twin(kind, opts, length, causal)
+    if twin is not attn:
+        flops = _flops(twin, causal, q, k, v, ks[3], stats, grad=False)
+    return compiled, args, flops
+
+
+def ratios(targets, length, rounds, seed=0):
+    """Forward seconds of every entry of `targets`, timed round-robin: each round runs every program once
+    in a fresh random order, so a burst of load on a shared machine falls on all of them alike. Per
+    target: the ratio of the entries' minimum times and the median of the per-round ratios."""
+    import random
+    entries = sorted({e for n, d, _ in targets for e in (n, d)})
+    parsed = {e: _entry(e) for e in entries}
+    programs, flops = {}, {}
+    for e in entries:
+        kind, causal, matmul = parsed[e]
+        if not matmul:
+            programs[e] = _forward(kind, length, causal)
+            flops[e] = programs[e][2]
+    for e in entries:
+        kind, causal, matmul = parsed[e]
+        if matmul:
+            fl = flops.get(f"{kind}/{'causal' if causal else 'bidir'}") or _forward(kind, length, causal)[2]
+            n = max(16, int(round((fl / 2.0) ** (1.0 / 3.0))))
+            a = jnp.ones((n, n), jnp.float32)
+            # the matmul's time scaled to the kind's FLOP count (n is rounded to an integer)
+            programs[e] = (jax.jit(lambda a, b: a @ b), (a, a), 2.0 * n ** 3, fl / (2.0 * n ** 3))
+    times = {e: [] for e in entries}
+    order = list(entries)
+    rnd = random.Random(seed)
+    for fn, args, *_ in programs.values():
+        jax.block_until_ready(fn(*args))                                   # warm
+    for _ in range(rounds):
+        rnd.shuffle(order)
+        for e in order:
+            fn, args, *rest = programs[e]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[e].append((time.perf_counter() - t0) * (rest[1] if len(rest) > 1 else 1.0))
+    rows = []
+    for num, den, target in targets:
+        per_round = [a / b for a, b in zip(times[num], times[den])]
+        rows.append({"numerator": num, "denominator": den, "target": target,
+                     "ratio_of_minima": min(times[num]) / min(times[den]),
+                     "median_ratio": statistics.median(per_round),
+                     "rounds_within_target": sum(r <= target for r in per_round) / len(per_round)})
+    return rows, {e: {"min_ms": min(t) * 1e3, "median_ms": statistics.median(t) * 1e3} for e, t in times.items()}
+
+
+def write_ratios(rows, times, length, rounds, out_dir, argv, section="attention-ratios"):
+    out_dir = Path(out_dir)
+    (out_dir / "bench").mkdir(parents=True, exist_ok=True)
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "length": length, "rounds": rounds, "B": B, "H": H, "D": D, "M": M,
+            "command": "python -m favor.bench " + " ".join(argv)}
+    (out_dir / "bench" / f"{section}.json").write_text(json.dumps({"meta": meta, "rows": rows, "times": times},
+                                                                  indent=1))
+    met = lambda r: "met" if r["median_ratio"] <= r["target"] else "not met"
+    lines = ["| ratio (forward) | target | ratio of minima | median of per-round ratios | rounds within | verdict |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['numerator']} : {r['denominator']} | ≤ {r['target']:g} | {r['ratio_of_minima']:.2f} | "
+              f"{r['median_ratio']:.2f} | {r['rounds_within_target']:.0%} | {met(r)} |" for r in rows]
+    times_lines = ["| program | min ms | median ms |", "|---|---|---|"]
+    times_lines += [f"| {e} | {t['min_ms']:.2f} | {t['median_ms']:.2f} |" for e, t in sorted(times.items())]
+    body = (f"## {section} (`{meta['command']}`)\n\n"
+            f"L = {length}, B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
+            f"({meta['cpu_count']} cores), jax {meta['jax']}. Forward passes timed round-robin, {rounds} rounds, "
+            f"each round every program once in a random order (load falls on all alike); the verdict reads the "
+            f"median of the per-round ratios. 'matmul:' is a square matmul scaled to the kind's FLOP count. "
+            f"Raw figures: bench/{section}.json.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(times_lines))
+    replace_section(out_dir, section, body)
+
+
 def _ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
@@ -329,6 +433,14 @@ def main(argv=None):
     p.add_argument("--out", default=".")
     p.add_argument("--section", default="attention-benchmark",
                    help="BENCHMARKS.md section (and bench/<section>.json) this run replaces")
+    r = sub.add_parser("ratios", help="issue 13's speed ratios, every program timed round-robin")
+    r.add_argument("--length", type=int, default=8192)
+    r.add_argument("--rounds", type=int, default=15)
+    r.add_argument("--targets", default=None,
+                   help="NUMERATOR,DENOMINATOR,TARGET;... with entries kind/bidir, kind/causal or "
+                        "matmul:kind/mode (default: issue 13's)")
+    r.add_argument("--out", default=".")
+    r.add_argument("--section", default="attention-ratios")
     from favor import bench_uptrain
     bench_uptrain.add_parser(sub)
     args = parser.parse_args(argv_main)
@@ -350,6 +462,26 @@ def main(argv=None):
         (Path(args.out) / "bench" / "favor-plus-parts.json").write_text(json.dumps(
             {"length": args.length, "matmul_seconds": yard, "flops": flops, "rows": rows}, indent=1))
         print(table_rows)
+        return
+    if args.what == "ratios":
+        targets = TARGETS
+        if args.targets:
+            try:
+                targets = []
+                for item in args.targets.split(";"):
+                    parts = [x.strip() for x in item.split(",")]
+                    if len(parts) != 3:
+                        raise ValueError(f"target {item!r}: expected NUMERATOR,DENOMINATOR,TARGET")
+                    _entry(parts[0]), _entry(parts[1])
+                    targets.append((parts[0], parts[1], float(parts[2])))
+            except ValueError as e:
+                parser.error(str(e))
+        runtime.keep_host_pages()
+        rows, times = ratios(targets, args.length, args.rounds)
+        write_ratios(rows, times, args.length, args.rounds, args.out, argv, args.section)
+        for row in rows:
+            print(f"{row['numerator']:>20} : {row['denominator']:<20} {row['median_ratio']:.2f} "
+                  f"(min {row['ratio_of_minima']:.2f}, target {row['target']:g})")
         return
     if args.what == "train":
         train(args.config, args.metric, args.target, not args.higher_is_better, flags, args.out, args.section, argv)

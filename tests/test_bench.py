@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from favor import bench
 
 
@@ -45,3 +47,21 @@ def test_bench_parts_writes_every_part_against_one_yardstick(tmp_path):
     parts = [r for name, r in ratios.items() if name.startswith(("2 projections", "[V,1]", "Φ_q", "2 exp over [B, H, L, M], consumed"))]
     assert abs(floor - sum(parts)) < 1e-9 * max(1.0, floor)
     assert "| FAVOR+ forward (the library) |" in (tmp_path / "BENCHMARKS.md").read_text()
+
+
+def test_bench_ratios_times_round_robin_and_writes_the_verdicts(tmp_path):
+    targets = "favor+/causal,favor+/bidir,1.5;favor+/bidir,matmul:favor+/bidir,2;favor+@4/causal,favor+/causal,1.25"
+    bench.main(["ratios", "--length", "32", "--rounds", "3", "--out", str(tmp_path), "--targets", targets])
+    data = json.loads((tmp_path / "bench" / "attention-ratios.json").read_text())
+    assert [(r["numerator"], r["denominator"], r["target"]) for r in data["rows"]] == [
+        ("favor+/causal", "favor+/bidir", 1.5), ("favor+/bidir", "matmul:favor+/bidir", 2.0),
+        ("favor+@4/causal", "favor+/causal", 1.25)]
+    times = data["times"]
+    assert set(times) == {"favor+/causal", "favor+/bidir", "matmul:favor+/bidir", "favor+@4/causal"}
+    for r in data["rows"]:
+        assert abs(r["ratio_of_minima"] - times[r["numerator"]]["min_ms"] / times[r["denominator"]]["min_ms"]) < 1e-9
+        assert r["rounds_within_target"] in (0, 1 / 3, 2 / 3, 1)
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| favor+/causal : favor+/bidir | ≤ 1.5 |" in md
+    with pytest.raises(SystemExit):
+        bench.main(["ratios", "--targets", "favor+/sideways,favor+/bidir,1"])
