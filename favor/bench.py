@@ -469,11 +469,11 @@ def main(argv=None):
             try:
                 targets = []
                 for item in args.targets.split(";"):
-                    parts = [x.strip() for x in item.split(",")]
-                    if len(parts) != 3:
+                    fields = [x.strip() for x in item.split(",")]   # not `parts`: main calls parts()
+                    if len(fields) != 3:
                         raise ValueError(f"target {item!r}: expected NUMERATOR,DENOMINATOR,TARGET")
-                    _entry(parts[0]), _entry(parts[1])
-                    targets.append((parts[0], parts[1], float(parts[2])))
+                    _entry(fields[0]), _entry(fields[1])
+                    targets.append((fields[0], fields[1], float(fields[2])))
             except ValueError as e:
                 parser.error(str(e))
         runtime.keep_host_pages()
