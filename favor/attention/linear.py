@@ -125,13 +125,18 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
     scale of the maximum over all valid keys; then the queries, chunk by chunk, with the key-aware
     stabiliser c_i = max_f(l_q(i, f) + τ_f)."""
     c = _length(y) if chunk_size is None else min(chunk_size, _length(y))
-    ys, v1s, valids = _in_chunks(y, c), _in_chunks(_ones_column(v), c), _valid_chunks(valid, _length(y), c)
+    # no mask at all when every key is real and the chunks divide L (no padding rows)
+    unmasked = valid is None and _length(y) % c == 0
+    ys, v1s = _in_chunks(y, c), _in_chunks(_ones_column(v), c)
+    valids = None if unmasked else _valid_chunks(valid, _length(y), c)
 
     def key_step(carry, chunk):
         tau, total = carry
         y_c, v1_c, valid_c = chunk
         lk, sk = key_map(ctx, y_c)
-        lk = jnp.where(valid_c[:, None, :, None], lk.astype(F32), NEG_INF)
+        lk = lk.astype(F32)
+        if valid_c is not None:
+            lk = jnp.where(valid_c[:, None, :, None], lk, NEG_INF)
         new = sg(jnp.maximum(tau, jnp.max(lk, axis=-2, keepdims=True)))    # [B, H, 1, F] (row form: F = 1)
         keep = jnp.where(jnp.isfinite(tau), jnp.exp(tau - _finite_or(new)), 0.0)
         w = jnp.exp(lk - _finite_or(new))                                  # ≤ 1; padded keys exactly 0
@@ -162,7 +167,7 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
         # the whole-array program: one step, no scan, no rematerialisation (ReLU/ELU, whose maps are too
         # cheap for chunks to pay: their fwd+bwd at L = 8192 took 1.3–1.7× as long as one scan step
         # under jax.checkpoint)
-        (tau, total), _ = key_step(init, jax.tree.map(lambda a: a[0], (ys, v1s, valids)))
+        (tau, total), _ = key_step(init, jax.tree.map(lambda a: a[0], (ys, v1s, valids)))   # None stays None
         return query_chunk(tau, total, x)
     # under jax.checkpoint the backward pass makes each chunk's features again, in cache, instead of
     # storing them all (FAVOR# fwd+bwd at L = 8192: 334 → 282 ms; the whole-array form 287)
