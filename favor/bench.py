@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -70,12 +71,18 @@ def memory_budget():
     return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def matmul_seconds(flops, repeats):
-    """Time of one square float32 matmul doing `flops` (2n³) floating-point operations."""
+def square_matmul(flops):
+    """(jitted matmul, its arguments, the factor taking its time to `flops`): the square float32 matmul
+    nearest `flops` (2n³) floating-point operations."""
     n = max(16, int(round((flops / 2.0) ** (1.0 / 3.0))))
     a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda a, b: a @ b)
-    return _timed(f, (a, a), repeats) * flops / (2.0 * n ** 3)
+    return jax.jit(lambda a, b: a @ b), (a, a), flops / (2.0 * n ** 3)
+
+
+def matmul_seconds(flops, repeats):
+    """Time of one square float32 matmul doing `flops` floating-point operations."""
+    f, args, scale = square_matmul(flops)
+    return _timed(f, args, repeats) * scale
 
 
 def kind_options(spec):
@@ -118,16 +125,20 @@ def _flops(attn, causal, q, k, v, rng, stats, grad):
     return _compile(f, (q, k, v, rng))[2]
 
 
-def measure(spec, length, causal, repeats):
+def setup(spec, length, causal):
+    """(layer, its FLOP twin, (q, k, v, rng), stats) of one benchmarked kind."""
     kind, opts = kind_options(spec)
     attn = attention.get(kind, **opts)
-    twin = flop_twin(kind, opts, length, causal)
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
-    rng = ks[3]
     # causal data-dependent kinds fit on statistics from outside the sequence (what a causal model's
     # running statistics give): fitted once here, outside the timed function
     stats = attn.statistics(q, k) if causal and getattr(attn, "data_dependent", False) else None
+    return attn, flop_twin(kind, opts, length, causal), (q, k, v, ks[3]), stats
+
+
+def measure(spec, length, causal, repeats):
+    attn, twin, (q, k, v, rng), stats = setup(spec, length, causal)
 
     def fwd(q, k, v, rng):
         return attn(q, k, v, causal=causal, rng=rng, stats=stats)
@@ -194,17 +205,11 @@ def _entry(text):
 
 
 def _forward(spec, length, causal):
-    """(jitted forward, its arguments, forward FLOPs) of one kind, set up as `measure` does."""
-    kind, opts = kind_options(spec)
-    attn = attention.get(kind, **opts)
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
-    stats = attn.statistics(q, k) if causal and getattr(attn, "data_dependent", False) else None
-    args = (q, k, v, ks[3])
+    """(compiled forward, its arguments, forward FLOPs) of one kind, set up as `measure` does."""
+    attn, twin, args, stats = setup(spec, length, causal)
     compiled, _, flops = _compile(lambda q, k, v, r: attn(q, k, v, causal=causal, rng=r, stats=stats), args)
-    twin = flop_twin(kind, opts, length, causal)
     if twin is not attn:
-        flops = _flops(twin, causal, q, k, v, ks[3], stats, grad=False)
+        flops = _flops(twin, causal, *args, stats, grad=False)
     return compiled, args, flops
 
 
@@ -212,35 +217,31 @@ def ratios(targets, length, rounds, seed=0):
     """Forward seconds of every entry of `targets`, timed round-robin: each round runs every program once
     in a fresh random order, so a burst of load on a shared machine falls on all of them alike. Per
     target: the ratio of the entries' minimum times and the median of the per-round ratios."""
-    import random
     entries = sorted({e for n, d, _ in targets for e in (n, d)})
     parsed = {e: _entry(e) for e in entries}
-    programs, flops = {}, {}
+    programs, flops = {}, {}          # entry -> (function, arguments, factor on its time)
     for e in entries:
         kind, causal, matmul = parsed[e]
         if not matmul:
-            programs[e] = _forward(kind, length, causal)
-            flops[e] = programs[e][2]
+            fn, args, flops[e] = _forward(kind, length, causal)
+            programs[e] = (fn, args, 1.0)
     for e in entries:
         kind, causal, matmul = parsed[e]
         if matmul:
-            fl = flops.get(f"{kind}/{'causal' if causal else 'bidir'}") or _forward(kind, length, causal)[2]
-            n = max(16, int(round((fl / 2.0) ** (1.0 / 3.0))))
-            a = jnp.ones((n, n), jnp.float32)
-            # the matmul's time scaled to the kind's FLOP count (n is rounded to an integer)
-            programs[e] = (jax.jit(lambda a, b: a @ b), (a, a), 2.0 * n ** 3, fl / (2.0 * n ** 3))
+            twin = f"{kind}/{'causal' if causal else 'bidir'}"
+            programs[e] = square_matmul(flops[twin] if twin in flops else _forward(kind, length, causal)[2])
     times = {e: [] for e in entries}
     order = list(entries)
     rnd = random.Random(seed)
-    for fn, args, *_ in programs.values():
+    for fn, args, _ in programs.values():
         jax.block_until_ready(fn(*args))                                   # warm
     for _ in range(rounds):
         rnd.shuffle(order)
         for e in order:
-            fn, args, *rest = programs[e]
+            fn, args, factor = programs[e]
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            times[e].append((time.perf_counter() - t0) * (rest[1] if len(rest) > 1 else 1.0))
+            times[e].append((time.perf_counter() - t0) * factor)
     rows = []
     for num, den, target in targets:
         per_round = [a / b for a, b in zip(times[num], times[den])]

@@ -681,9 +681,10 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
         mask = rng.random((2, lk)) > 0.3
         mask[1] = False
         to_bhld = lambda a: jnp.asarray(np.moveaxis(a, 1, 2), jnp.float32)
-        assert bool(linear.plain_features_safe(attn.phi, to_bhld(q), to_bhld(k), jnp.asarray(mask)))
-        out = np.moveaxis(np.asarray(linear.causal_plain(attn.phi, to_bhld(q), to_bhld(k), to_bhld(v),
-                                                         jnp.asarray(mask), True, c), np.float64), 1, 2)
+        fq, fk = attn.phi(to_bhld(q)), attn.phi(to_bhld(k))
+        assert bool(linear.plain_features_safe(fq, fk, jnp.asarray(mask)))
+        out = np.moveaxis(np.asarray(linear.causal_plain(fq, fk, to_bhld(v), jnp.asarray(mask), True, c),
+                                     np.float64), 1, 2)
         w = np.einsum("bihf,bjhf->bhij", phi(q), phi(k))
         seen = (np.arange(lq)[:, None] + lk - lq >= np.arange(lk)[None]) & mask[:, None, None, :]
         w = np.where(seen, w, 0.0)
@@ -692,4 +693,5 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6 * np.abs(ref).max(), err_msg=f"{lq} {lk} {c}")
         assert np.all(out[1] == 0)                                        # no valid key: 0
     tiny = jnp.full((1, 1, 4, 2), 1e-19)
-    assert not bool(linear.plain_features_safe(jax.nn.relu, tiny, tiny))
+    assert not bool(linear.plain_features_safe(tiny, tiny))
+    assert bool(linear.plain_features_safe(jnp.ones_like(tiny), tiny, jnp.zeros((1, 4), bool)))   # keys padded

@@ -174,12 +174,13 @@ class FeatureAttention(Attention, abc.ABC):
                 # features with no exponential in them need no log space (linear.causal_plain) unless
                 # some are so small (or large) that their products leave float32's normal range: then
                 # the exact log-space path. One decision for the whole input
-                exact = lambda x, y, vv: linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask,
-                                                           self.positive, self.chunk_size, "exact",
-                                                           self.causal_span)
-                plain = lambda x, y, vv: linear.causal_plain(self.phi, x, y, vv, mask, self.positive,
-                                                             self.chunk_size)
-                out = jax.lax.cond(linear.plain_features_safe(self.phi, x, y, mask), plain, exact, x, y, vv)
+                fq, fk = self.phi(x), self.phi(y)            # made once: the check and the plain path
+                exact = lambda fq, fk, x, y, vv: linear.causal_maps(
+                    self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.chunk_size, "exact",
+                    self.causal_span)
+                plain = lambda fq, fk, x, y, vv: linear.causal_plain(fq, fk, vv, mask, self.positive,
+                                                                     self.chunk_size)
+                out = jax.lax.cond(linear.plain_features_safe(fq, fk, mask), plain, exact, fq, fk, x, y, vv)
             else:
                 out = linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
                                          self.chunk_size, self.causal_path, self.causal_span)

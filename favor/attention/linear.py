@@ -257,10 +257,11 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     return _ratio(out[:, :, l_k - l_q:], positive)
 
 
-@partial(jax.jit, static_argnames=("phi", "positive", "chunk_size"))
-def causal_plain(phi, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
+@partial(jax.jit, static_argnames=("positive", "chunk_size"))
+def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
     """Causal attention for an elementwise feature map φ ≥ 0 with no exponential in it (ReLU, ELU + 1):
-    the features φ(x), φ(y) [B, H, L, F] are used as they are, not through log space — they cannot
+    the features fq = φ(x) [B, H, Lq, F], fk = φ(y) [B, H, Lk, F] are used as they are, not through log
+    space — they cannot
     overflow (φ ≤ |u| + 1), so there is nothing for a stabiliser to do, and the log-space paths' −inf
     features (ReLU's exact zeros) would only push them onto the exact path at several times the cost.
     Chunks of `chunk_size`: each chunk's state Σ φ_k(j)[v_j, 1] (a matmul), the exclusive prefix of
@@ -268,14 +269,12 @@ def causal_plain(phi, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUN
     to the last keys (Lq ≤ Lk). Exact to rounding while `plain_features_safe` holds (products that
     underflow would be lost: features of 1e-19 whose products carry a row's only mass); a query whose
     features are all 0 outputs 0."""
-    l_q, l_k = x.shape[2], y.shape[2]
+    l_q, l_k = fq.shape[2], fk.shape[2]
     if l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
                          f"got Lq = {l_q}, Lk = {l_k}")
-    x = jnp.pad(x.astype(F32), ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
-    fq, fk = phi(x), phi(y.astype(F32))
-    if valid is not None:
-        fk = jnp.where(jnp.asarray(valid, bool)[:, None, :, None], fk, 0.0)
+    fq = jnp.pad(fq.astype(F32), ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
+    fk = _masked_features(fk.astype(F32), valid)
     c = min(chunk_size, l_k)
     fq_n, fk_n, v1_n = _chunks(fq, c), _chunks(fk, c), _chunks(_ones_column(v), c)      # pad rows: zeros
     states = jnp.einsum("bhncd,bhncf->bhnfd", v1_n, fk_n)                                # [B, H, N, F, Dv+1]
@@ -293,14 +292,16 @@ def causal_plain(phi, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUN
 PLAIN_RANGE = (2.0 ** -60, 2.0 ** 40)
 
 
-def plain_features_safe(phi, x, y, valid=None):
-    """Whether every nonzero feature φ(x), φ(y) of the valid tokens lies in PLAIN_RANGE (a scalar)."""
+def plain_features_safe(fq, fk, valid=None):
+    """Whether every nonzero feature of the queries and of the valid keys lies in PLAIN_RANGE (a scalar)."""
     lo, hi = PLAIN_RANGE
-    fk = phi(y.astype(F32))
-    if valid is not None:
-        fk = jnp.where(jnp.asarray(valid, bool)[:, None, :, None], fk, 0.0)
     ok = lambda f: jnp.all((f == 0) | ((f >= lo) & (f <= hi)))
-    return ok(phi(x.astype(F32))) & ok(fk)
+    return ok(fq) & ok(_masked_features(fk, valid))
+
+
+def _masked_features(fk, valid):
+    """Plain key features [B, H, L, F] with the padded keys' set to 0."""
+    return fk if valid is None else jnp.where(jnp.asarray(valid, bool)[:, None, :, None], fk, 0.0)
 
 
 def _causal_sums(lq, sq, lk, sk, v1, chunk_size, path, span=None):
@@ -348,16 +349,16 @@ def _causal_span(query_map, key_map, ctx, c, path, carry, inputs):
     # [B, H, F], −inf: no key at all yet. The anchor (a pass over the span's keys) is only needed until
     # every row has seen a key, so after the first span it is skipped
     tau0 = sg(jax.lax.cond(jnp.all(seen), lambda: tau, lambda: jnp.where(seen[..., None], tau, _anchor(lk))))
-    a = sg(jnp.max(lk - _finite_or(tau0)[:, :, None], axis=-1))    # [B, H, S], −inf: no key
-    has = jnp.isfinite(a)        # = _has_mass(lk): lk − (finite τ0) is finite where lk is
+    # [B, H, S], −inf exactly where a key has no mass (lk − finite τ0 is finite where lk is)
+    a = sg(jnp.max(lk - _finite_or(tau0)[:, :, None], axis=-1))
     new_tau = sg(jnp.maximum(tau0, jnp.max(lk, axis=2)))
-    ops = (lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau)
+    ops = (lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau)
     if path == "fast":
         out, scale, total = _fast_span(*ops, c)
     else:
         out, scale, total = jax.lax.cond(jnp.max(a) <= FAST_EXCEEDANCE, lambda o: _fast_span(*o, c),
                                          lambda o: _exact_span(*o, c), ops)
-    return (seen | jnp.any(has, -1), new_tau, total), (out, scale)
+    return (seen | jnp.any(jnp.isfinite(a), -1), new_tau, total), (out, scale)
 
 
 def _carry_keep(tau0, new_tau):
@@ -366,7 +367,7 @@ def _carry_keep(tau0, new_tau):
     return jnp.exp(jnp.minimum(_finite_or(tau0) - _finite_or(new_tau), 80.0))
 
 
-def _fast_span(lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau, c):
+def _fast_span(lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau, c):
     """The fast path over one span, in chunks of c. Keys are referenced to τ0 and normalised by a
     per-key scalar a_j = max_f(l_k(j, f) − τ0_f); query i by β_i = max_f(l_q(i, f) + τ0_f). With
     α_i = max(0 if a key came before the span, max_{valid j ≤ i in the span} a_j) and c_i = β_i + α_i,
@@ -421,7 +422,7 @@ def _fast_span(lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau, c):
     return out, scale, total
 
 
-def _exact_span(lq, sq, lk, sk, v1, has, a, seen, tau0, total, new_tau, c):
+def _exact_span(lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau, c):
     """The exact path over one span (`_causal_exact` after the carried sum); the carry's sum from the
     span's keys on scale τ'."""
     out, scale = _causal_exact(lq, sq, lk, sk, v1, tau0, EXACT_BLOCK, c, start=total, seen=seen)

@@ -86,6 +86,8 @@ def _band(x, y, v1, has_key, left, right):
     kb = blocked(has_key[..., None].astype(F32))[..., 0] > 0                 # [B, H, N, c]; pad rows False
 
     def moved(a, t):        # block n − t at position n (zeros, i.e. no key, beyond the sequence)
+        if t == 0:
+            return a
         pad = [(0, 0)] * a.ndim
         pad[2] = (t, 0) if t > 0 else (0, -t)
         return jnp.pad(a, pad)[:, :, :n] if t > 0 else jnp.pad(a, pad)[:, :, -t:]
@@ -97,9 +99,9 @@ def _band(x, y, v1, has_key, left, right):
         rel = i[None, :] - t * c - i[:, None]                                # [c, c]: j − i
         inside = (rel >= -left) & (rel <= right)
         keep = inside & moved(kb, t)[:, :, :, None, :]
-        scores = jnp.einsum("bhnid,bhnjd->bhnij", xb, moved(yb, t) if t else yb)
+        scores = jnp.einsum("bhnid,bhnjd->bhnij", xb, moved(yb, t))
         logits.append(jnp.where(keep, scores, NEG_INF))
-        values.append(moved(vb, t) if t else vb)
+        values.append(moved(vb, t))
     m = sg(functools.reduce(jnp.maximum, [jnp.max(z, axis=-1) for z in logits]))   # −inf: no key in band
     mf = _finite_or(m)[..., None]
     out = sum(jnp.einsum("bhnij,bhnjd->bhnid", jnp.exp(z - mf), vz) for z, vz in zip(logits, values))
