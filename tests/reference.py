@@ -158,10 +158,40 @@ def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0):
     wabs = np.sum(np.exp(lm - shift), -1)
     vv = np.swapaxes(_np(np.asarray(v, np.float32)), 1, 2)            # [B, H, Lk, Dv]
     num, den = w @ vv, np.sum(w, -1)
+    low = np.zeros(den.shape, bool)
+    if not getattr(attn, "positive", True):
+        # the true denominator Σ_j exp(x_iᵀy_j) ≥ n·exp(x_iᵀ mean_j y_j) (Jensen): a sign-indefinite
+        # estimate below it is raised to it, the missing mass carrying the mean value, and the row kept
+        # in the values' range (floored_ratio's definition, written here again)
+        log_bound, mean, lo, hi = _jensen(q, k, vv, keep)
+        bound = np.exp(log_bound - shift[..., 0, 0])
+        low = np.isfinite(log_bound) & (den < bound)
+        raised = np.where(low, np.maximum(bound, np.finfo(np.float64).tiny), den)
+        num = np.where(low[..., None], num + (raised - den)[..., None] * mean, num)
+        den = np.where(low, raised, den)
     out = np.where(den[..., None] != 0, num / np.where(den == 0, 1.0, den)[..., None], 0.0)
+    if low.any():
+        out = np.where(low[..., None], np.clip(out, lo, hi), out)
     cond = (wabs @ np.abs(vv) + np.sum(wabs, -1)[..., None] * np.abs(out)) / np.where(den == 0, 1.0, np.abs(den))[..., None]
     cond = np.where(den[..., None] == 0, 0.0, cond)
     return np.swapaxes(out, 1, 2), np.swapaxes(np.max(cond, -1), 1, 2)
+
+
+def _jensen(q, k, vv, keep):
+    """Over the keys `keep` [B, 1|H, Lq, Lk] lets query i see, in float64: (log(n_i·exp(x_iᵀȳ_i)), −inf
+    where it sees none; the mean, minimum and maximum of their values [B, H, Lq, Dv])."""
+    d = q.shape[-1]
+    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
+    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    kf = keep.astype(np.float64)
+    n = np.sum(kf, -1)                                                    # [B, 1|H, Lq]
+    mean_y = (kf @ y) / np.maximum(n, 1)[..., None]
+    mean_v = (kf @ vv) / np.maximum(n, 1)[..., None]
+    seen = keep[..., None]
+    lo = np.min(np.where(seen, vv[:, :, None], np.inf), axis=-2)
+    hi = np.max(np.where(seen, vv[:, :, None], -np.inf), axis=-2)
+    with np.errstate(divide="ignore"):
+        return np.where(n > 0, np.log(n) + np.sum(x * mean_y, -1), -np.inf), mean_v, lo, hi
 
 
 def explicit_attention(attn, q, k, v, mask=None, causal=False, rng=None, stats=None, window=0):
@@ -192,5 +222,20 @@ def explicit_attention(attn, q, k, v, mask=None, causal=False, rng=None, stats=N
         keep = keep & (rel <= 0)
     w = jnp.where(keep, w, 0.0)
     num, den = w @ jnp.swapaxes(f64(v), 1, 2), jnp.sum(w, -1, keepdims=True)
+    low = jnp.zeros(den.shape, bool)
+    if not attn.positive:   # Jensen's floor on the denominator (as `attention` above), written again
+        x, y = map(f64, attn.inputs(q, k))
+        vv = jnp.swapaxes(f64(v), 1, 2)
+        kf = jnp.broadcast_to(keep, w.shape).astype(jnp.float64)
+        n = jnp.sum(kf, -1, keepdims=True)
+        bound = jnp.where(n > 0, n * jnp.exp(jnp.sum(x * (kf @ y) / jnp.maximum(n, 1.0), -1, keepdims=True)), 0.0)
+        low = (n > 0) & (den < bound)
+        num = jnp.where(low, num + (bound - den) * (kf @ vv) / jnp.maximum(n, 1.0), num)
+        den = jnp.where(low, bound, den)
+        seen = kf[..., None] > 0
+        lo = jnp.min(jnp.where(seen, vv[:, :, None], jnp.inf), axis=-2)
+        hi = jnp.max(jnp.where(seen, vv[:, :, None], -jnp.inf), axis=-2)
     out = jnp.where(den != 0, num / jnp.where(den == 0, 1.0, den), 0.0)
+    if not attn.positive:
+        out = jnp.where(low, jnp.clip(out, lo, hi), out)
     return jnp.swapaxes(out, 1, 2)

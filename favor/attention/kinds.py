@@ -169,6 +169,7 @@ class FeatureAttention(Attention, abc.ABC):
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
         vv = _to_bhld(v)
         x, y = self.inputs(q, k)
+        floor = self.floor(x, y, vv, mask, causal)
         if causal:
             if self.causal_path == "auto" and not self.finite_features:
                 # features with no exponential in them need no log space (linear.causal_plain) unless
@@ -183,11 +184,17 @@ class FeatureAttention(Attention, abc.ABC):
                 out = jax.lax.cond(linear.plain_features_safe(fq, fk, mask), plain, exact, fq, fk, x, y, vv)
             else:
                 out = linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
-                                         self.chunk_size, self.causal_path, self.causal_span)
+                                         self.chunk_size, self.causal_path, self.causal_span, floor)
         else:
             out = linear.bidirectional_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
-                                            self.bidirectional_chunk)
+                                            self.bidirectional_chunk, floor)
         return _to_bhld(out).astype(v.dtype)
+
+    def floor(self, x, y, v, mask, causal):
+        """What a sign-indefinite kind's ratio is floored by (linear.jensen_floor: the bound
+        n_i·exp(x_iᵀȳ_i) over the keys query i sees, x and y the kernel's inputs, and those keys' value
+        statistics); None for positive kinds, whose denominators need no floor."""
+        return None if self.positive else linear.jensen_floor(x, y, v, mask, causal)
 
     # -- incremental decoding ----------------------------------------------------------------------
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
@@ -195,15 +202,16 @@ class FeatureAttention(Attention, abc.ABC):
         return None
 
     def decode_init(self, batch, heads, dim, dv):
-        return linear.decode_init(batch, heads, self.feature_dim(dim), dv)
+        return linear.decode_init(batch, heads, self.feature_dim(dim), dv, None if self.positive else dim)
 
     def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
         """One token: q_t, k_t [B, 1, H, D], v_t [B, 1, H, Dv], valid [B] or None ->
         (out [B, 1, H, Dv], state); equal to the causal pass token by token."""
         (lq, sq), (lk, sk) = self.log_maps(q_t, k_t, ctx)
+        x, y = self.inputs(q_t, k_t)
         first = lambda a: None if a is None else a[:, :, 0]
         out, state = linear.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk),
-                                        _to_bhld(v_t)[:, :, 0], valid, self.positive)
+                                        _to_bhld(v_t)[:, :, 0], valid, self.positive, x[:, :, 0], y[:, :, 0])
         return out[:, None].astype(v_t.dtype), state
 
 
@@ -375,7 +383,8 @@ class RandomFeatureAttention(FeatureAttention):
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
         x, y = self.scaled(q, k)
         out = window_lib.attend(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, self.positive,
-                                self.window, causal, self.chunk_size, self.causal_path, self.causal_span)
+                                self.window, causal, self.chunk_size, self.causal_path, self.causal_span,
+                                self.floor(x, y, _to_bhld(v), mask, causal))
         return _to_bhld(out).astype(v.dtype)
 
     def decode_init(self, batch, heads, dim, dv):

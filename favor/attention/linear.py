@@ -26,10 +26,13 @@ stabilisers included (see `causal`). Sequence sums and carried states accumulate
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from favor.kernels.base import pytree_dataclass
 
 F32 = jnp.float32
 TINY = float(jnp.finfo(jnp.float32).tiny)
@@ -73,8 +76,95 @@ def _ones_column(v):
     return jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), F32)], -1)
 
 
-def _ratio(out, positive):
+# The least bound, on a row's own scale, that floored_ratio divides by: every stabilised term is ≤ 1, so
+# the numerator is below L·F·max|v| and its quotient stays finite in float32 (an inf there would turn a
+# zero cotangent into NaN in the backward pass)
+MIN_BOUND = float(jnp.exp(-40.0))
+
+
+def _ratio(out, positive, scale=None, floor=None):
+    """out [.., Dv+1] (numerator and denominator on the row's log-scale `scale` [..]) -> [.., Dv].
+    `floor` (a `Floor`, sign-indefinite kinds): a denominator estimated below the bound the true one
+    cannot go below is raised to it (`floored_ratio`)."""
+    if floor is not None:
+        return floored_ratio(out, positive, scale, floor)
     return _divide(out[..., :-1], guard(out[..., -1], positive))
+
+
+@pytree_dataclass
+class Floor:
+    """What a sign-indefinite kind's ratio needs about the keys each query sees (`jensen_floor`):
+    log [B, H, Lq] the log of the bound n_i·exp(x_iᵀȳ_i) on the true denominator, and the mean, minimum
+    and maximum of the values those keys carry, [B, H, Lq | 1, Dv]."""
+    log: jax.Array
+    mean: jax.Array
+    low: jax.Array
+    high: jax.Array
+
+
+def jensen_floor(x, y, v, valid=None, causal=False) -> Floor:
+    """The denominator's floor for every query: x [B, H, Lq, D], y [B, H, Lk, D] the kernel's inputs,
+    v [B, H, Lk, Dv], valid [B, Lk] or None; causal: queries aligned to the last keys, each seeing the
+    keys up to its own position.
+
+    By Jensen (exp is convex), Σ_j exp(x_iᵀy_j) ≥ n_i·exp(x_iᵀȳ_i), ȳ_i the mean of the n_i keys query
+    i sees: O(L·D), causal through prefix sums, and never looser than the norm bound
+    n_i·e^(−‖x_i‖·max‖y_j‖) (since x_iᵀȳ_i ≥ −‖x_i‖‖ȳ_i‖). log is −inf for a query that sees no key."""
+    x, y, v = x.astype(F32), y.astype(F32), v.astype(F32)
+    l_q, l_k = x.shape[2], y.shape[2]
+    w = jnp.ones((1, 1, l_k, 1), F32) if valid is None else jnp.asarray(valid, F32)[:, None, :, None]
+    ones = jnp.broadcast_to(w, (w.shape[0], 1, l_k, 1))
+    big = jnp.finfo(F32).max
+    v_lo, v_hi = jnp.where(w > 0, v, big), jnp.where(w > 0, v, -big)
+    if causal:
+        rows = lambda a: a[:, :, l_k - l_q:]
+        ysum, vsum, count = (rows(jnp.cumsum(a, axis=2)) for a in (y * w, v * w, ones))
+        low, high = rows(jax.lax.cummin(v_lo, axis=2)), rows(jax.lax.cummax(v_hi, axis=2))
+    else:
+        ysum, vsum, count = (jnp.sum(a, axis=2, keepdims=True) for a in (y * w, v * w, ones))
+        low, high = jnp.min(v_lo, axis=2, keepdims=True), jnp.max(v_hi, axis=2, keepdims=True)
+    n = jnp.maximum(count, 1.0)                                                # [B, 1, Lq | 1, 1]
+    log = jnp.log(n[..., 0]) + jnp.einsum("bhld,bhld->bhl", x, jnp.broadcast_to(ysum, x.shape)) / n[..., 0]
+    return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high)
+
+
+def floored_ratio(out, positive, scale, floor):
+    """The ratio of a sign-indefinite estimate (trig, HRF) whose denominator may fall below the bound
+    exp(floor.log) that the true one, a sum of positive kernel values, can never go below. Such a row
+    (`out` on the log-scale `scale`) is computed as
+
+        y_i = v̄_i + Σ_j ŵ_ij (v_j − v̄_i) / b_i,     b_i the bound, v̄_i the mean of the values it sees,
+
+    i.e. the denominator is raised to the bound and the mass it lacked carries the mean value (uniform
+    weights, the weights of the bound itself), then kept inside the values' range [min v_j, max v_j]
+    where every attention output lies. So a clamped row is never sign-flipped nor blown up by a
+    denominator near 0, identical keys still give the mean of their values and a lone key its own value;
+    the estimate is biased there (it only ever moves towards the truth's side of the bound). Rows whose
+    estimate is at or above the bound are bit-for-bit the plain ratio. A bound below MIN_BOUND on the
+    row's scale counts as MIN_BOUND (such a row's estimate is noise e^40 times the size of its bound:
+    its output sits at the range's edge, finite, with finite gradients)."""
+    num, den = out[..., :-1], out[..., -1]
+    ok, bound = _bound(floor, scale)
+    low = ok & (den < bound)
+    raised = jnp.where(low, jnp.maximum(bound, MIN_BOUND), den)
+    num = jnp.where(low[..., None], num + (raised - den)[..., None] * floor.mean, num)
+    y = _divide(num, guard(raised, positive))
+    return jnp.where(low[..., None], jnp.clip(y, floor.low, floor.high), y)
+
+
+def below_floor(out, scale, floor):
+    """[..]: which rows' estimated denominators fall below the floor (≤ 0 included), as
+    `floored_ratio` decides (for diagnostics)."""
+    ok, bound = _bound(floor, scale)
+    return ok & (out[..., -1] < bound)
+
+
+def _bound(floor, scale):
+    """(rows that have a bound, the bound on the row's scale; 0 where none). Double where: no inf or NaN
+    of a row without a bound (no key, or an overflowed input) reaches the backward pass."""
+    ok = jnp.isfinite(floor.log) & jnp.isfinite(scale)
+    gap = jnp.where(ok, floor.log - jnp.where(ok, scale, 0.0), 0.0)
+    return ok, jnp.where(ok, jnp.exp(jnp.minimum(gap, 80.0)), 0.0)
 
 
 @jax.custom_jvp
@@ -113,7 +203,7 @@ def _given(ctx, pair):
 
 @partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "chunk_size"))
 def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True,
-                       chunk_size=BIDIRECTIONAL_CHUNK):
+                       chunk_size=BIDIRECTIONAL_CHUNK, floor=None):
     """`bidirectional` with the features made from inputs chunk by chunk: query_map(ctx, x_chunk) and
     key_map(ctx, y_chunk) -> (log-features, sign or None) as above, for x, y pytrees of [B, H, L, ·]
     arrays (the maps must treat rows independently); chunk_size None: one chunk of the whole length
@@ -123,7 +213,8 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
     Keys first, in one scan: the per-feature key maximum τ is kept as a running maximum and the sum
     Σ_j exp(l_k(j) − τ)·sign·[v_j, 1] rescaled when it grows (as an online softmax), so it ends on the
     scale of the maximum over all valid keys; then the queries, chunk by chunk, with the key-aware
-    stabiliser c_i = max_f(l_q(i, f) + τ_f)."""
+    stabiliser c_i = max_f(l_q(i, f) + τ_f). `floor` (sign-indefinite kinds): `jensen_floor` of the
+    inputs, the bound each estimated denominator is raised to (`floored_ratio`)."""
     c = _length(y) if chunk_size is None else min(chunk_size, _length(y))
     # no mask at all when every key is real and the chunks divide L (no padding rows)
     unmasked = valid is None and _length(y) % c == 0
@@ -153,7 +244,9 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
     b, h, _, f = lk0.shape
     width = f if sk0 is None else sk0.shape[-1]
     init = (jnp.full((b, h, 1, f), NEG_INF, F32), jnp.zeros((b, h, v1s.shape[-1], width), F32))
-    def query_chunk(tau, total, x_c):
+    def query_chunk(tau, total, x_c, floor_c=None):
+        # floor_c: this chunk's rows of the floor's log (its value statistics are the same for every row)
+        floor_c = None if floor_c is None else dataclasses.replace(floor, log=floor_c)
         lq, sq = query_map(ctx, x_c)
         lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + _finite_or(tau), NEG_INF)   # on the key scale
         scale = _finite_or(sg(jnp.max(lqt, axis=-1, keepdims=True)))        # the key-aware query stabiliser
@@ -161,19 +254,21 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
             out = jnp.einsum("bhlf,bhdf->bhld", sq.astype(F32), total) * jnp.exp(lqt - scale)
         else:
             out = jnp.einsum("bhlf,bhdf->bhld", _with_sign(jnp.exp(lqt - scale), sq), total)
-        return _ratio(out, positive)
+        return _ratio(out, positive, scale[..., 0], floor_c)
 
     if chunk_size is None:
         # the whole-array program: one step, no scan, no rematerialisation (ReLU/ELU, whose maps are too
         # cheap for chunks to pay: their fwd+bwd at L = 8192 took 1.3–1.7× as long as one scan step
         # under jax.checkpoint)
         (tau, total), _ = key_step(init, jax.tree.map(lambda a: a[0], (ys, v1s, valids)))   # None stays None
-        return query_chunk(tau, total, x)
+        return query_chunk(tau, total, x, None if floor is None else floor.log)
     # under jax.checkpoint the backward pass makes each chunk's features again, in cache, instead of
     # storing them all (FAVOR# fwd+bwd at L = 8192: 334 → 282 ms; the whole-array form 287)
     (tau, total), _ = jax.lax.scan(jax.checkpoint(key_step), init, (ys, v1s, valids))
     cq = min(chunk_size, _length(x))
-    out = jax.lax.map(jax.checkpoint(partial(query_chunk, tau, total)), _in_chunks(x, cq))   # [N, B, H, C, Dv]
+    floors = None if floor is None else _in_chunks(floor.log[..., None], cq)[..., 0]
+    out = jax.lax.map(jax.checkpoint(lambda xf: query_chunk(tau, total, *xf)),
+                      (_in_chunks(x, cq), floors))                                        # [N, B, H, C, Dv]
     n, b, h, _, dv = out.shape
     return jnp.moveaxis(out, 0, 2).reshape(b, h, n * cq, dv)[:, :, :_length(x)]
 
@@ -229,7 +324,7 @@ def causal(lq, sq, lk, sk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK
 
 @partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "chunk_size", "path", "span"))
 def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK,
-                path="auto", span=None):
+                path="auto", span=None, floor=None):
     """`causal` with the features made from inputs span by span (maps and inputs as in
     `bidirectional_maps`). Every quantity the output at i is computed from — the fitted parameters are
     the caller's business — depends on keys ≤ i only.
@@ -243,7 +338,8 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     random-feature map; ReLU's zeros are not: its kind runs "auto" as "exact"). Forced "fast" outside
     the guarantee can be wrong, gradients included: it is for benchmarks and tests. "auto" decides per
     span on all its keys, so a later token of the same span can switch the path and move an output at
-    rounding level (each path alone is causal bit for bit).
+    rounding level (each path alone is causal bit for bit). `floor` as in `bidirectional_maps`
+    (here `jensen_floor(..., causal=True)`: prefix sums, causal too).
     """
     if path not in PATHS:
         raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
@@ -253,8 +349,8 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
                          f"got Lq = {l_q}, Lk = {l_k}")
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
         x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
-    out, _ = _causal_sums_maps(query_map, key_map, ctx, x, y, _ones_column(v), valid, chunk_size, path, span)
-    return _ratio(out[:, :, l_k - l_q:], positive)
+    out, scale = _causal_sums_maps(query_map, key_map, ctx, x, y, _ones_column(v), valid, chunk_size, path, span)
+    return _ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
 
 
 @partial(jax.jit, static_argnames=("positive", "chunk_size"))
@@ -559,11 +655,39 @@ def _exact_chunk(lq, sq, lk, sk, v1, tau0, start, block):
 
 
 # -- decoding -----------------------------------------------------------------------------------------
-def decode_init(batch, heads, features, dv):
+def decode_init(batch, heads, features, dv, dim=None):
     """The causal state after no token: the running per-feature key maximum τ and the sum
-    Σ_j φ_k(j)[v_j, 1] on its scale."""
-    return {"tau": jnp.full((batch, heads, features), NEG_INF, F32),
-            "sum": jnp.zeros((batch, heads, features, dv + 1), F32)}
+    Σ_j φ_k(j)[v_j, 1] on its scale; with `dim` (sign-indefinite kinds) also what the denominator's floor
+    needs (`jensen_floor`): the sums of the kernel's key inputs and of the values, their count, and the
+    values' running minimum and maximum."""
+    state = {"tau": jnp.full((batch, heads, features), NEG_INF, F32),
+             "sum": jnp.zeros((batch, heads, features, dv + 1), F32)}
+    if dim is not None:
+        big = jnp.finfo(F32).max
+        state.update(ysum=jnp.zeros((batch, heads, dim), F32), vsum=jnp.zeros((batch, heads, dv), F32),
+                     count=jnp.zeros((batch, 1), F32), vmin=jnp.full((batch, heads, dv), big, F32),
+                     vmax=jnp.full((batch, heads, dv), -big, F32))
+    return state
+
+
+FLOOR_STATE = ("ysum", "vsum", "count", "vmin", "vmax")
+
+
+def decode_floor(state, x, y, v, valid=None):
+    """(the floor's part of the state with key input y [B, H, D] and value v [B, H, Dv] counted, the
+    `Floor` of query x [B, H, D]) for a state that keeps it (`decode_init(..., dim)`); ({}, None) else."""
+    if "ysum" not in state:
+        return {}, None
+    w = jnp.ones((y.shape[0], 1), F32) if valid is None else jnp.asarray(valid, F32)[:, None]
+    real = w[..., None] > 0
+    v = v.astype(F32)
+    new = {"ysum": state["ysum"] + w[..., None] * y.astype(F32), "vsum": state["vsum"] + w[..., None] * v,
+           "count": state["count"] + w, "vmin": jnp.where(real, jnp.minimum(state["vmin"], v), state["vmin"]),
+           "vmax": jnp.where(real, jnp.maximum(state["vmax"], v), state["vmax"])}
+    n = jnp.maximum(new["count"], 1.0)
+    log = jnp.log(n) + jnp.einsum("bhd,bhd->bh", x.astype(F32), new["ysum"]) / n
+    return new, Floor(log=jnp.where(new["count"] > 0, log, NEG_INF), mean=new["vsum"] / n[..., None],
+                      low=new["vmin"], high=new["vmax"])
 
 
 def decode_absorb(state, lk, sk, v):
@@ -586,12 +710,14 @@ def decode_read(state, lq, sq):
     return jnp.einsum("bhf,bhfd->bhd", fq, state["sum"]), scale
 
 
-def decode_step(state, lq, sq, lk, sk, v, valid=None, positive=True):
+def decode_step(state, lq, sq, lk, sk, v, valid=None, positive=True, x=None, y=None):
     """One token: lq, lk [B, H, F], v [B, H, Dv], valid [B] or None -> (out [B, H, Dv], state).
-    The same stabilisers as the causal pass with every key a chunk of its own: exact."""
+    The same stabilisers as the causal pass with every key a chunk of its own: exact. x, y [B, H, D]:
+    the kernel's inputs, for a state that keeps the denominator's floor (sign-indefinite kinds)."""
     lq, lk = lq.astype(F32), lk.astype(F32)
     if valid is not None:
         lk = jnp.where(jnp.asarray(valid, bool)[:, None, None], lk, NEG_INF)
-    state = decode_absorb(state, lk, sk, v)
-    out, _ = decode_read(state, lq, sq)
-    return _ratio(out, positive), state
+    sums, floor = decode_floor(state, x, y, v, valid)
+    state = {**decode_absorb(state, lk, sk, v), **sums}
+    out, scale = decode_read(state, lq, sq)
+    return _ratio(out, positive, scale, floor), state

@@ -109,23 +109,31 @@ def _band(x, y, v1, has_key, left, right):
 
 
 def combine(parts):
-    """Σ of (out, log-scale) parts on the largest scale of each row; parts with scale −inf hold nothing."""
-    top = _finite_or(jnp.max(jnp.stack([s for _, s in parts]), axis=0))
+    """(Σ of (out, log-scale) parts on the largest scale of each row, that scale); parts with scale −inf
+    hold nothing."""
+    top = jnp.max(jnp.stack([s for _, s in parts]), axis=0)
     total = 0.0
     for out, s in parts:
-        total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - top), 0.0)[..., None]
-    return total
+        total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - _finite_or(top)), 0.0)[..., None]
+    return total, top
+
+
+def _combined_ratio(parts, positive, drop, floor):
+    out, scale = combine(parts)
+    return _ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
 
 
 @partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path",
                                    "span"))
 def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, chunk_size=linear.CAUSAL_CHUNK,
-           path="auto", span=None):
+           path="auto", span=None, floor=None):
     """[B, H, Lq, Dv]. x/y the scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), from which
     query_map(ctx, x) / key_map(ctx, y) make the log-features row by row (as in
     favor.attention.linear.causal_maps; every key a valid mask admits has finite log-features),
     v [B, H, Lk, Dv], valid [B, Lk] or None. Causal: queries aligned to the last keys (Lq ≤ Lk);
-    bidirectional: Lq = Lk (the band is a relation between positions of one sequence)."""
+    bidirectional: Lq = Lk (the band is a relation between positions of one sequence). `floor`: the
+    bound a sign-indefinite kind's denominator is raised to (linear.floored_ratio; the band's exact terms
+    are part of the denominator it bounds)."""
     l_q, l_k = x.shape[2], y.shape[2]
     if causal and l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
@@ -142,22 +150,23 @@ def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, ch
                                (b, h, l_k))
     parts = [_band(x, y, v1, has_key, window, 0 if causal else window)]
     if window >= l_k - 1:      # every key of every query is on the band: exact softmax, no feature pass
-        return _ratio(combine(parts)[:, :, l_k - l_q:], positive)
+        return _combined_ratio(parts, positive, l_k - l_q, floor)
     parts.append(_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span))
     if not causal:
         flipped = None if valid is None else jnp.flip(jnp.asarray(valid, bool), axis=1)
         out, s = _off_band_before(query_map, key_map, ctx, _flip(x), _flip(y), _flip(v1), flipped, window,
                                   chunk_size, path, span)
         parts.append((_flip(out), _flip(s)))
-    return _ratio(combine(parts)[:, :, l_k - l_q:], positive)
+    return _combined_ratio(parts, positive, l_k - l_q, floor)
 
 
 # -- decoding -----------------------------------------------------------------------------------------
 def decode_init(batch, heads, features, dim, dv, window, signed):
     """The linear state of the keys that left the band, and the last w + 1 keys (oldest first): their
-    scaled keys y, log-features (and signs), values and whether each slot holds a key."""
+    scaled keys y, log-features (and signs), values and whether each slot holds a key; signed kinds also
+    the key sums of the denominator's floor."""
     w1 = window + 1
-    state = {**linear.decode_init(batch, heads, features, dv),
+    state = {**linear.decode_init(batch, heads, features, dv, dim if signed else None),
              "y": jnp.zeros((batch, heads, w1, dim), F32),
              "lk": jnp.full((batch, heads, w1, features), NEG_INF, F32),
              "v": jnp.zeros((batch, heads, w1, dv), F32),
@@ -180,7 +189,8 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
     lin = linear.decode_absorb({"tau": state["tau"], "sum": state["sum"]}, old_lk,
                                state["sk"][:, :, 0] if "sk" in state else None, state["v"][:, :, 0])
     push = lambda buf, new: jnp.concatenate([buf[:, :, 1:], new[:, :, None]], axis=2)
-    new = {**lin, "y": push(state["y"], y), "lk": push(state["lk"], lk), "v": push(state["v"], v),
+    sums, floor = linear.decode_floor(state, x, y, v, valid)
+    new = {**lin, **sums, "y": push(state["y"], y), "lk": push(state["lk"], lk), "v": push(state["v"], v),
            "key": push(state["key"], key)}
     if "sk" in state:
         new["sk"] = push(state["sk"], jnp.ones_like(lk) if sk is None else sk.astype(F32))
@@ -189,4 +199,5 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
     p = jnp.exp(scores - _finite_or(m)[..., None])
     band = jnp.einsum("bhw,bhwd->bhd", p, _ones_column(new["v"]))
     est = linear.decode_read(lin, lq, sq)
-    return _ratio(combine([est, (band, m)]), positive), new
+    out, scale = combine([est, (band, m)])
+    return _ratio(out, positive, scale, floor), new

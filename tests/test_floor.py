@@ -1,0 +1,146 @@
+"""The floor on sign-indefinite denominators (trig, HRF): a bound the true denominator cannot go below,
+rows above it untouched bit for bit, rows below it neither sign-flipped nor blown up."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from favor import attention
+from favor.attention import linear
+from favor.attention.kinds import _to_bhld
+
+SIGNED = ("favor", "hrf")
+
+
+def _inputs(seed, b=2, l=24, h=2, d=8, dv=3, scale=1.0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = scale * jax.random.normal(ks[0], (b, l, h, d))
+    k = scale * jax.random.normal(ks[1], (b, l, h, d))
+    v = jax.random.normal(ks[2], (b, l, h, dv))
+    mask = np.ones((b, l), bool)
+    mask[0, -5:] = False
+    mask[-1, 3] = False
+    return q, k, v, jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_floor_is_below_every_true_denominator(causal):
+    """exp(floor.log_i) ≤ Σ_j exp(x_iᵀy_j) over the keys query i sees (float64, written here), with
+    padding, queries fewer than keys (causal), norms from 0.1 to 10·√D; and −inf for a query that sees
+    no key; the value statistics are those of the same keys."""
+    rng = np.random.default_rng(0)
+    b, h, lq, lk, d, dv = 2, 2, 7, 11, 16, 3
+    lq = lq if causal else lk
+    norms = rng.uniform(0.1, 10.0 * d ** 0.5, (b, h, lk, 1)) * d ** -0.25
+    y = rng.normal(size=(b, h, lk, d))
+    y = y / np.linalg.norm(y, axis=-1, keepdims=True) * norms
+    x = rng.normal(size=(b, h, lq, d)) * rng.uniform(0.1, 3.0, (b, h, lq, 1))
+    v = rng.normal(size=(b, h, lk, dv))
+    valid = np.ones((b, lk), bool)
+    valid[0, :4] = False                 # the first causal queries see no key
+    valid[1, 5] = False
+    fl = linear.jensen_floor(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), jnp.asarray(v, jnp.float32),
+                             jnp.asarray(valid), causal)
+    log_floor = np.asarray(fl.log, np.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(lq):
+                seen = valid[bi].copy()
+                if causal:
+                    seen[i + lk - lq + 1:] = False
+                if not seen.any():
+                    assert log_floor[bi, hi, i] == -np.inf
+                    continue
+                logits = y[bi, hi, seen] @ x[bi, hi, i]
+                true = np.log(np.sum(np.exp(logits - logits.max()))) + logits.max()
+                assert log_floor[bi, hi, i] <= true + 1e-4 * max(1.0, abs(true)), (bi, hi, i)
+                vs = v[bi, hi, seen]
+                row = lambda a: np.asarray(a, np.float64)[bi, hi, i if a.shape[2] > 1 else 0]
+                np.testing.assert_allclose(row(fl.mean), vs.mean(0), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(row(fl.low), vs.min(0), rtol=1e-6)
+                np.testing.assert_allclose(row(fl.high), vs.max(0), rtol=1e-6)
+
+
+def _passes(kind, q, k, v, mask, causal, chunk=4, **opts):
+    """The layer's pass with its floor and the same pass without one (the plain ratio), and the rows
+    whose estimated denominator is below the floor."""
+    attn = attention.get(kind, num_features=32, chunk_size=chunk, **opts)
+    ctx = attn.context(q, k, mask, jax.random.PRNGKey(1), None, mask, None, None, causal)
+    x, y = attn.inputs(q, k)
+    vv = _to_bhld(v)
+    fl = attn.floor(x, y, vv, mask, causal)
+    if causal:
+        run = lambda f: linear.causal_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk,
+                                           "auto", None, f)
+        sums, scale = linear._causal_sums_maps(attn.query_map, attn.key_map, ctx, x, y, linear._ones_column(vv),
+                                               mask, chunk, "auto", None)
+    else:
+        run = lambda f: linear.bidirectional_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk, f)
+        sums, scale = _bidirectional_sums(attn, ctx, x, y, vv, mask)
+    low = linear.below_floor(sums, scale, fl)
+    return np.asarray(run(fl)), np.asarray(run(None)), np.asarray(low), fl, np.asarray(sums[..., -1])
+
+
+def _bidirectional_sums(attn, ctx, x, y, vv, mask):
+    """The un-normalised bidirectional sums on each query's scale, as the pass forms them."""
+    (lq, sq), (lk, sk) = attn.query_map(ctx, x), attn.key_map(ctx, y)
+    lk = jnp.where(mask[:, None, :, None], lk, -jnp.inf)
+    tau = jnp.max(lk, axis=-2, keepdims=True)
+    w = jnp.exp(lk - tau)
+    total = jnp.einsum("bhld,bhlf->bhdf", linear._ones_column(vv) * w, sk)
+    lqt = lq + tau
+    scale = jnp.max(lqt, axis=-1)
+    out = jnp.einsum("bhlf,bhdf->bhld", sq, total) * jnp.exp(lqt - scale[..., None])
+    return out, scale
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", SIGNED)
+def test_rows_above_the_floor_are_untouched_bit_for_bit(kind, causal):
+    """At norms where some estimates fall below the floor and most do not: every row above it equals the
+    plain ratio exactly; every row below it differs from it and lies in its values' range."""
+    q, k, v, mask = _inputs(3, scale=1.4)
+    floored, plain, low, fl, _ = _passes(kind, q, k, v, mask, causal)  # [B, H, L, Dv], low [B, H, L]
+    assert 0 < low.sum() < low.size, low.sum()                       # both kinds of rows are here
+    np.testing.assert_array_equal(floored[~low], plain[~low])
+    assert not np.allclose(floored[low], plain[low])
+    lo = np.broadcast_to(fl.low, floored.shape)
+    hi = np.broadcast_to(fl.high, floored.shape)
+    assert np.all((floored[low] >= lo[low]) & (floored[low] <= hi[low]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", SIGNED)
+def test_rows_with_negative_denominators_are_not_sign_flipped(kind, causal):
+    """Values all in [1, 2], so every true output is in [1, 2]: at norms where many estimated
+    denominators are negative (the plain ratio puts those rows far outside [1, 2], sign-flipped), the
+    floored layer puts each of them inside the range, and its gradients are finite. (Rows above the floor
+    keep their estimate, which may itself fall outside the range: the floor bounds the denominator, not
+    the numerator's noise.)"""
+    q, k, v, mask = _inputs(5, scale=2.5)
+    v = 1.0 + jax.nn.sigmoid(v)
+    floored, plain, low, _, den = _passes(kind, q, k, v, mask, causal)   # [B, H, L, Dv]; den [B, H, L]
+    negative = den < 0
+    assert negative.sum() >= 5 and np.all(low[negative])
+    assert np.any((plain[negative] < 1.0) | (plain[negative] > 2.0))   # the failure prevented
+    assert np.all((floored[negative] >= 1.0 - 1e-5) & (floored[negative] <= 2.0 + 1e-5))
+    attn = attention.get(kind, num_features=32, chunk_size=4)
+    grads = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, mask=mask, causal=causal) ** 2), (0, 1, 2))(q, k, v)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+@pytest.mark.parametrize("kind", SIGNED)
+def test_decoding_applies_the_same_floor(kind):
+    """Token-by-token decoding keeps the floor's sums in its state and equals the causal pass at norms
+    where some rows are floored."""
+    q, k, v, _ = _inputs(3, b=1, l=12, scale=1.4)
+    attn = attention.get(kind, num_features=32, chunk_size=4)
+    full = np.asarray(attn(q, k, v, causal=True))
+    ctx = attn.decode_context(q.shape[-1])
+    state = attn.decode_init(1, q.shape[2], q.shape[-1], v.shape[-1])
+    outs = []
+    for t in range(q.shape[1]):
+        out, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
+        outs.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=2e-4, atol=2e-5)
