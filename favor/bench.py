@@ -95,9 +95,7 @@ def kind_options(spec):
         return kind, {**opts, "window": int(window)}
     if kind in ("softmax", "relu", "elu"):
         return kind, {}
-    opts = {"num_features": M, "redraw": "step"}
-    if kind == "hrf":
-        opts = {"num_features": 16, "num_lambda_features": 8, "redraw": "step"}   # HRF-A(16, 8)
+    opts = {"num_features": M, "redraw": "step"}     # one width for every kind (equal [L, F] cost)
     if variant:
         opts[{"favor#": "variant", "hrf": "lambda_", "simrf": "features"}.get(kind, "variant")] = variant
     return kind, opts

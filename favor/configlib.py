@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 from favor import sharding
+from favor.attention import qknorm
 from favor.sharding import DEFAULT_RULES, MESH_AXES
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -111,7 +112,7 @@ def attention(kind: str, num_features: int, redraw: str = "step", **options) -> 
     for simrf): a locked config refuses to override a key it lacks, so the key must exist, but a value
     here would override every kind's own (an "orthogonal" here once made simrf run FAVOR+)."""
     return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, "window": 0,
-            **options}
+            **qknorm.OPTIONS, **options}
 
 
 def attention_options(block) -> dict:
@@ -123,7 +124,7 @@ def attention_options(block) -> dict:
     if kind not in attention_lib.names():
         raise ValueError(f"unknown attention kind {kind!r} (config.model.attention.kind); "
                          f"valid: {', '.join(attention_lib.names())}")
-    accepted = attention_lib.get(kind).OPTIONS
+    accepted = {**attention_lib.get(kind).OPTIONS, **qknorm.OPTIONS}   # every kind takes the layer's qk_norm
     return {"kind": kind, **{k: v for k, v in options.items() if k in accepted}}
 
 
@@ -317,6 +318,10 @@ def _validate_model(config) -> None:
         except ValueError:
             raise ConfigError("model.attention.redraw", block["redraw"], f"must be {schedule.HELP}") from None
     options = attention_options(block)
+    try:
+        options, qk = qknorm.split(options)
+    except qknorm.OptionError as e:        # the layer's query/key normalisation, named by its key
+        raise ConfigError(f"model.attention.{e.key}", options.get(e.key), str(e)) from None
     try:
         attention_lib.get(**options)
     except (TypeError, ValueError) as e:

@@ -9,8 +9,8 @@ Parameters only: the optimizer starts fresh and the random features are drawn fo
 model's own init draws them). The source run's config comes from its checkpoint metadata; a parameter
 whose shape differs from the new model's is an error naming its path and both shapes (and the source's
 model sizes to set). A parameter the source lacks is kept fresh only when it is a task head (a GLUE
-classifier on an MLM model, or one for another number of labels), named in a log line; any other is an
-error. Source parameters the new model does not take (the MLM head when fine-tuning on GLUE) are left
+classifier on an MLM model, or one for another number of labels) or the query/key normalisation's
+(`qk_norm` on a source without it), named in a log line; any other is an error. Source parameters the new model does not take (the MLM head when fine-tuning on GLUE) are left
 out, also named.
 
 The tokenizer travels with the model: a run records the tokenizer its data source used in
@@ -30,6 +30,8 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+
+from favor.models.layers import is_qk_norm_param
 
 log = logging.getLogger("favor.train")
 
@@ -176,8 +178,8 @@ def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str],
                 raise ValueError(f"model.init_from {spec!r}: parameter {path} has shape {have[path][0]} in the "
                                  f"source and {want[path][0]} in this config's model{hint}")
             load.append(path)
-        elif path.startswith(HEAD_PREFIXES):
-            fresh.append(path)
+        elif path.startswith(HEAD_PREFIXES) or is_qk_norm_param(path):
+            fresh.append(path)        # a new head, or qk_norm's parameters on a source without them
         else:
             raise ValueError(f"model.init_from {spec!r}: this config's model has parameter {path} "
                              f"{want[path][0]}, which the source does not have{hint}")

@@ -20,8 +20,8 @@ DATA_DEPENDENT = [k for k in RF_KINDS if attention.get(k).data_dependent]
 
 def make(kind, **opts):
     base = {"num_features": 16} if kind in RF_KINDS else {}
-    if kind == "hrf":
-        base = {"num_features": 8, "num_lambda_features": 4}
+    if kind == "hrf":       # m = 8 frequencies per base estimator, n = 4 λ features: width 4·m·(n + 1)
+        base = {"num_features": 160, "num_lambda_features": 4}
     accepted = attention.get(kind).OPTIONS                  # softmax takes none of the linear options
     return attention.get(kind, **{k: v for k, v in {**base, **opts}.items() if k in accepted})
 
@@ -562,7 +562,7 @@ def test_simrf_is_simplex_coupled():
 def _mha(kind, **extra):
     from flax import nnx
 
-    opts = {} if kind not in RF_KINDS else ({"num_features": 8, "num_lambda_features": 2} if kind == "hrf"
+    opts = {} if kind not in RF_KINDS else ({"num_features": 96, "num_lambda_features": 2} if kind == "hrf"
                                              else {"num_features": 16})
     return nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False,
                                   attention_fn=attention.attention_fn(kind, **opts, **extra), rngs=nnx.Rngs(0))

@@ -14,7 +14,7 @@ FAMILIES = ("bert", "vit", "conformer")
 
 
 def attn_cfg(kind):
-    # small feature counts keep every kind fast; hrf counts m per base estimator
+    # small feature widths keep every kind fast (hrf: 16 = m 2 × 4·(n 1 + 1))
     return {"kind": kind} if kind in ("softmax", "relu", "elu") else {"kind": kind, "num_features": 16}
 
 

@@ -19,6 +19,10 @@ accepted. Decisions, because linear attention never forms the L×L matrix:
   dedicated rng stream instead.
 - Attention dropout needs the L×L weights; random-feature kinds ignore `dropout_rate`. The
   "softmax" kind forwards everything to nnx.dot_product_attention, dropout included.
+- `qk_norm="l2"` puts queries and keys on the sphere of radius `qk_radius` (a constant: an attention_fn
+  owns no parameters; favor's own layer learns the radius per head). For QK-LayerNorm use
+  `nnx.MultiHeadAttention(normalize_qk=True, ...)`, which owns the LayerNorms; `qk_norm="layernorm"`
+  here is an error saying so.
 - Causal data-dependent kinds (favor++, favor#, hrf-cluster, importance sampling) need fit statistics
   that do not come from the sequence: pass `stats=` here (e.g. `attn.statistics(q, k)` of a
   calibration batch); favor's own causal layers keep running statistics instead.
@@ -29,6 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from favor.attention import qknorm
 
 FEATURE_STREAM = 0x0F4F   # folded into dropout_rng so ω is independent of the dropout mask
 MASK_HELP = ("linear attention takes a padding mask (nnx.make_attention_mask of query and key validity) "
@@ -71,13 +77,23 @@ def _raise_mask_error(ok, causal_without_stats=False):
 def attention_fn(kind, stats=None, **options):
     from favor import attention
 
+    options, qk = qknorm.split(options)
+    if qk["qk_norm"] == "layernorm":
+        raise ValueError("attention_fn: for QK-LayerNorm use nnx.MultiHeadAttention(normalize_qk=True, "
+                         "attention_fn=attention_fn(kind)), which owns the LayerNorms' learned scales; an "
+                         "attention_fn owns no parameters")
     attn = attention.get(kind, **options)
+    # qk_norm="l2": an attention_fn owns no parameters, so the sphere's radius is the constant qk_radius
+    # here (favor's own attention layer learns one per head)
+    sphere = (lambda q, k: qknorm.on_sphere(q, k, jnp.full((q.shape[-2],), float(qk["qk_radius"])))) \
+        if qk["qk_norm"] == "l2" else (lambda q, k: (q, k))
 
     if kind == "softmax":
         from flax import nnx
 
         def softmax_fn(query, key, value, bias=None, mask=None, **kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k in _NNX_DPA_KWARGS}
+            query, key = sphere(query, key)
             return nnx.dot_product_attention(query, key, value, bias=bias, mask=mask, **kwargs)
 
         return softmax_fn
@@ -86,6 +102,7 @@ def attention_fn(kind, stats=None, **options):
     causal_ok = not (getattr(attn, "data_dependent", False) and stats is None)
 
     def run(query, key, value, rng, key_mask, query_mask, causal):
+        query, key = sphere(query, key)
         return attn(query, key, value, mask=key_mask, query_mask=query_mask, causal=causal, rng=rng, stats=stats)
 
     def fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,

@@ -280,6 +280,10 @@ class RandomFeatureAttention(FeatureAttention):
 
     `window` w > 0 makes the weights exact softmax for |i − j| ≤ w (causal: the last w + 1 keys) and the
     kind's estimate for every other key, with one normaliser (favor.attention.window).
+
+    `num_features` is the width F of the feature arrays for every kind (one cost): FAVOR+, FAVOR++,
+    FAVOR#, SimRF draw F projections; trig F/2 frequencies (sin and cos); antithetic FAVOR+ F/2 pairs;
+    HRF the largest m whose hybrid features fit in F (`draws_for_width`; `num_draws` holds it).
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
@@ -304,9 +308,12 @@ class RandomFeatureAttention(FeatureAttention):
         self.mech = kernels.get(self.mechanism, **self.mechanism_options)
         self.positive = self.mech.positive
         self.data_dependent = self.mech.data_dependent
+        # one feature budget for every kind: num_features is the width F of the feature arrays (what the
+        # [L, F] passes and the state cost); the mechanism's own count is derived from it
+        self.num_draws = self.mech.draws_for_width(self.num_features)
 
     def feature_dim(self, dim):
-        return self.mech.feature_dim(self.num_features)
+        return self.mech.feature_dim(self.num_draws)
 
     # -- what a call fixes -------------------------------------------------------------------------
     def draw_key(self, rng, step):
@@ -326,7 +333,7 @@ class RandomFeatureAttention(FeatureAttention):
 
     def base_draw(self, key, dim):
         """The data-independent draw for head dim `dim` that a model keeps as state."""
-        return self.mech.draw_base(key, self.num_features, dim, self.coupling)
+        return self.mech.draw_base(key, self.num_draws, dim, self.coupling)
 
     def statistics(self, q, k, mask=None, query_mask=None, init=None):
         """The fit's sufficient statistics pooled over the batch, per head ([H, ...]): what a causal
@@ -367,7 +374,7 @@ class RandomFeatureAttention(FeatureAttention):
 
     def _draw(self, params, rng, step, draw):
         if draw is None:
-            return self.mech.draw(self.draw_key(rng, step), self.num_features, params, self.coupling)
+            return self.mech.draw(self.draw_key(rng, step), self.num_draws, params, self.coupling)
         return self.mech.adapt_draw(draw, params)
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
@@ -463,10 +470,16 @@ def _hrf_mechanism(o):
     return "hrf-" + lam, {"num_lambda_features": o["num_lambda_features"]}
 
 
-# num_features is m, the frequencies of each base estimator; HRF-A(16, 8) is the paper's setting.
+# num_features is the feature width F, as for every kind: HRF-angular spends it on m = F / (4(n + 1))
+# frequencies per base estimator and n λ projections (HRF-gaussian F / (2(4n + 1)), HRF-cluster
+# F / (4·clusters)). n = 1 by default: at equal width, HRF Theorem 3.1's MSE summed over attention rows
+# (D = 16, queries and keys on S(r), random and aligned pairs) is least at n = 1 and grows with n
+# (r = 1.5, F = 256: n = 1, 2, 3, 4, 7 give 0.057, 0.060, 0.066, 0.081, 0.106 relative): the base
+# estimators' m halves as n goes from 1 to 3, which costs more than λ̂'s extra variance saves. The
+# paper's HRF-A(16, 8) is num_features=576, num_lambda_features=8.
 Hrf = _rf_kind(
-    "hrf", "hrf-angular", "Hybrid random features (not positive; the denominator's sign is guarded).",
-    {"lambda_": "angular", "num_features": 16, "num_lambda_features": 8, "clusters": 2}, _hrf_mechanism)
+    "hrf", "hrf-angular", "Hybrid random features (not positive; the denominator is floored).",
+    {"lambda_": "angular", "num_lambda_features": 1, "clusters": 2}, _hrf_mechanism)
 def _simrf_mechanism(o):
     # SimRF is its coupling: with any other it is FAVOR+ (or FAVOR++), and an ablation listing simrf
     # would compare a kind with itself. Refuse rather than run another kind under this name.

@@ -137,6 +137,18 @@ class Mechanism(abc.ABC):
         """Width F of the feature vectors produced from a draw of `num_features`."""
         return num_features
 
+    def draws_for_width(self, width: int) -> int:
+        """The largest `num_features` (this mechanism's own count: projections, frequencies, HRF's m)
+        whose features are at most `width` wide: how attention spends one feature budget on every kind.
+        A width too small for one draw is a ValueError naming the least width."""
+        per = self.feature_dim(1)                     # every feature_dim is linear in its count
+        if per * 2 != self.feature_dim(2):
+            raise TypeError(f"{self.name}: feature_dim is not linear in num_features")
+        if width < per:
+            raise ValueError(f"{self.name}: a feature width of {width} is below one draw of this mechanism, "
+                             f"which makes {per} features; num_features must be ≥ {per}")
+        return width // per
+
     # ---- feature maps ----------------------------------------------------------------------
     @abc.abstractmethod
     def query_log_features(self, x, w, params):

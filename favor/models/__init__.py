@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from favor import attention as attention_lib
+from favor.attention import qknorm
 from favor.models import presets
 from favor.models.layers import FeatureDraw, FitStatistics, logical_axes, redraw_features
 
@@ -64,7 +65,8 @@ def config(name: str, preset: str = "tiny", **overrides) -> dict[str, Any]:
     if not isinstance(attn, Mapping) or attn.get("kind") not in attention_lib.names():
         raise ValueError(f"{name}: attention must name a kind in {', '.join(attention_lib.names())}; got {attn!r}")
     c["attention"] = dict(attn)
-    attention_lib.get(**c["attention"])   # unknown attention options fail here, naming the valid ones
+    # unknown attention options fail here, naming the valid ones (the kind's, and the layer's qk_norm)
+    attention_lib.get(**qknorm.split(c["attention"])[0])
     c["dtype"], c["param_dtype"] = _dtype("dtype", c["dtype"]), _dtype("param_dtype", c["param_dtype"])
     return c
 

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from favor import models
+from favor.models.layers import is_qk_norm_param
 
 BERT_ARCHS = {"BertModel": "none", "BertForMaskedLM": "mlm", "BertForSequenceClassification": "classification"}
 VIT_ARCHS = {"ViTModel": False, "ViTForImageClassification": True}
@@ -213,7 +214,7 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
         raise ValueError(f"{path}: checkpoint tensors whose favor parameter this model does not have "
                          f"(head or pooler mismatch?): {', '.join(missing_target)}")
     not_filled = sorted(set(params) - filled)
-    fresh = [p for p in not_filled if p.startswith(HEAD_PARAMS)]
+    fresh = [p for p in not_filled if p.startswith(HEAD_PARAMS) or is_qk_norm_param(p)]
     absent = [p for p in not_filled if p not in fresh]
     if absent:
         raise ValueError(f"{path}: favor parameters missing from the checkpoint: {', '.join(absent)}")

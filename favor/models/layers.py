@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from favor import attention as attention_lib
+from favor.attention import qknorm
 from favor.attention.kinds import RandomFeatureAttention
 
 AXES = ("vocab", "embed", "heads", "mlp", "kernel", "classes")
@@ -34,6 +35,16 @@ class FeatureDraw(nnx.Variable):
     parameter tree (checkpoints and Hugging Face weights move between them); kept in the model so
     evaluation is deterministic and a checkpoint holds the ω a run was using. The training loop
     replaces it on its redraw schedule (`redraw_features`)."""
+
+
+# The parameters of the layer's query/key normalisation: a source without qk_norm (a softmax run, a Hugging
+# Face checkpoint) lacks them, and uptraining it into a model with qk_norm starts them at their init
+QK_NORM_PARAMS = ("qk_logit", "query_norm", "key_norm")
+
+
+def is_qk_norm_param(path: str) -> bool:
+    """Whether dotted parameter `path` belongs to a layer's query/key normalisation."""
+    return any(part in QK_NORM_PARAMS for part in path.split("."))
 
 
 def meta(*axes):
@@ -57,14 +68,17 @@ def layer_norm(n, eps, *, rngs, param_dtype=jnp.float32, axis="embed"):
                          scale_metadata=meta(axis), bias_metadata=meta(axis))
 
 
-def attention_spec(attention: Mapping[str, Any]) -> tuple[str, dict]:
-    """{'kind': 'favor#', 'num_features': 128, ...} -> ('favor#', {'num_features': 128, ...})."""
+def attention_spec(attention: Mapping[str, Any]) -> tuple[str, dict, dict]:
+    """{'kind': 'favor#', 'num_features': 128, 'qk_norm': 'l2', ...} -> ('favor#', {'num_features': 128,
+    ...}, {'qk_norm': 'l2', 'qk_radius': ..., 'qk_radius_max': ...}): the kind, its options, and the
+    layer's query/key normalisation (favor.attention.qknorm), which every kind takes."""
     spec = dict(attention)
     if "kind" not in spec:
         raise ValueError(f"attention config needs a 'kind' (one of {', '.join(attention_lib.names())}); "
                          f"got {spec}")
     kind = spec.pop("kind")
-    return kind, spec
+    options, qk = qknorm.split(spec)
+    return kind, options, qk
 
 
 def rotary(x, positions, base=10000.0):
@@ -92,6 +106,11 @@ class SelfAttention(nnx.Module):
     Attention dropout drops whole keys (per example, shared by heads and queries) through the key
     mask: linear attention never forms the attention matrix, so this is the one dropout that means
     the same for every kind; the normaliser renormalises over the kept keys.
+
+    `qk_norm` in the attention block (favor.attention.qknorm): "l2" puts each head's queries and keys
+    on a sphere whose radius is a learned per-head parameter `qk_logit` (radius qk_radius_max·sigmoid),
+    "layernorm" applies LayerNorms `query_norm`/`key_norm` over the head dim; both before rotary
+    positions.
     """
 
     def __init__(self, hidden: int, heads: int, attention: Mapping[str, Any], *, rngs: nnx.Rngs,
@@ -101,13 +120,22 @@ class SelfAttention(nnx.Module):
             raise ValueError(f"hidden size {hidden} is not a multiple of the number of heads {heads}")
         self.heads, self.head_dim = heads, hidden // heads
         self.causal, self.use_rotary = causal, use_rotary
-        kind, options = attention_spec(attention)
+        kind, options, qk = attention_spec(attention)
         self.kind = attention_lib.get(kind, **options)
         proj = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.query = dense(hidden, hidden, ("embed", "heads"), **proj)
         self.key = dense(hidden, hidden, ("embed", "heads"), **proj)
         self.value = dense(hidden, hidden, ("embed", "heads"), **proj)
         self.out = dense(hidden, hidden, ("heads", "embed"), **proj)
+        self.qk_norm, self.qk_radius_max = qk["qk_norm"], float(qk["qk_radius_max"])
+        # a vector of `heads` numbers: never sharded, and outside the weight-decay mask (matrices only)
+        self.qk_logit = nnx.Param(jnp.full((heads,), qknorm.initial_logit(qk["qk_radius"], self.qk_radius_max),
+                                           param_dtype), **meta(None)) if self.qk_norm == "l2" else None
+        if self.qk_norm == "layernorm":
+            self.query_norm = layer_norm(self.head_dim, 1e-6, rngs=rngs, param_dtype=param_dtype, axis=None)
+            self.key_norm = layer_norm(self.head_dim, 1e-6, rngs=rngs, param_dtype=param_dtype, axis=None)
+        else:
+            self.query_norm = self.key_norm = None
         self.key_dropout = nnx.Dropout(dropout, rngs=rngs)
         if isinstance(self.kind, RandomFeatureAttention):
             self.features = FeatureDraw(self.kind.base_draw(rngs.features(), self.head_dim))
@@ -127,11 +155,19 @@ class SelfAttention(nnx.Module):
         if self.features is not None:
             self.features.set_value(self.kind.base_draw(key, self.head_dim))
 
+    def radius(self):
+        """Each head's sphere radius [heads] under qk_norm="l2" (None otherwise)."""
+        return None if self.qk_logit is None else qknorm.radius(self.qk_logit[...], self.qk_radius_max)
+
     def project(self, x, positions=None):
         """x [B, L, hidden] -> q, k, v [B, L, heads, head_dim] (rotary positions applied to q and k)."""
         b, l, _ = x.shape
         split = lambda t: t.reshape(b, l, self.heads, self.head_dim)
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        if self.qk_logit is not None:
+            q, k = qknorm.on_sphere(q, k, self.radius())
+        elif self.query_norm is not None:
+            q, k = self.query_norm(q).astype(q.dtype), self.key_norm(k).astype(k.dtype)
         if self.use_rotary:
             pos = jnp.arange(l) if positions is None else positions
             q, k = rotary(q, pos), rotary(k, pos)
