@@ -14,7 +14,9 @@ in under 5 minutes on 2 CPU cores (see README for the measured figure and the so
 
     python launch/sweep_local.py --config configs/default.py --workdir runs/ablation
     python -m favor.report runs/ablation --plot runs/ablation/report.png
-    configs/default.py:seeds=3           three seeds per kind (get_config ignores `seeds`)
+    configs/default.py:seeds=3           three seeds per kind (get_config ignores the sweep's args)
+    configs/default.py:seeds=3,qk_norms=none+l2   every kind with and without queries and keys on a sphere
+    configs/default.py:kinds=favor+hrf,redraws=step+fixed+every:100,qk_norm=l2   the redraw study
 """
 
 import ml_collections
@@ -25,11 +27,18 @@ KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf"
 # kind-specific attention options: empty / False means "the kind's own default" (only options the arg
 # names go into the attention block, so e.g. favor# keeps its own variant unless asked)
 KIND_OPTIONS = dict(variant="", lambda_="", features="", importance_sampling=False, antithetic=False)
+# the sweep's axes (get_config ignores them): "+"-separated values; "none" is qk_norm ""
+SWEEP_ARGS = dict(seeds=2, kinds="", qk_norms="", redraws="")
+
+
+def _args(arg):
+    return configlib.parse_arg(arg, runlocal=False, kind="favor++", qk_norm="", redraw="", **SWEEP_ARGS,
+                               **KIND_OPTIONS)
 
 
 def get_config(arg=None):
-    # seeds: the sweep's (below); one config is one seed, `seed` itself
-    args = configlib.parse_arg(arg, runlocal=False, kind="favor++", seeds=2, **KIND_OPTIONS)
+    # one config is one run: the sweep's args (below) are ignored here
+    args = _args(arg)
     c = configlib.run_config(total_steps=1500, batch_size=64, eval_batch_size=128, every=500, log_every=50)
     c.data = {"name": "digits", "test_fraction": 0.2, "split_seed": 0}
     c.task = {"name": "classification", "input": "image", "label_smoothing": 0.1}
@@ -44,7 +53,7 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
     c.model.dtype = "float32"
     c.model.init_from = ""             # uptraining: run:<workdir>, a checkpoint dir or hf:<dir>
-    c.model.attention = configlib.attention(args.kind, num_features=64)
+    c.model.attention = configlib.attention(args.kind, num_features=64, redraw=args.redraw, qk_norm=args.qk_norm)
     for key in KIND_OPTIONS:
         if args[key]:
             c.model.attention[key] = args[key]
@@ -61,8 +70,20 @@ def get_config(arg=None):
 
 
 def sweep(arg=None):
-    """The kernel ablation: every attention kind, each with `seeds` seeds (favor.report averages them)."""
-    args = configlib.parse_arg(arg, runlocal=False, kind="favor++", seeds=2, **KIND_OPTIONS)
+    """The kernel ablation: every attention kind (or `kinds`), each with `seeds` seeds (favor.report
+    averages them); `qk_norms=none+l2` and `redraws=step+fixed+every:100` add those axes."""
+    args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    yield from sweeps.product({"model.attention.kind": KINDS, "seed": tuple(range(int(args.seeds)))})
+    values = lambda s: tuple(v for v in s.split("+") if v)
+    kinds = values(args.kinds) or KINDS
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"kinds: unknown {', '.join(unknown)}; valid: {'+'.join(KINDS)}")
+    axes = {"model.attention.kind": kinds}
+    if args.qk_norms:
+        axes["model.attention.qk_norm"] = tuple("" if q == "none" else q for q in values(args.qk_norms))
+    if args.redraws:
+        axes["model.attention.redraw"] = values(args.redraws)
+    axes["seed"] = tuple(range(int(args.seeds)))
+    yield from sweeps.product(axes)

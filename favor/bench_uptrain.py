@@ -121,7 +121,7 @@ def day0(config, workdir, seeds):
     `total_steps=0` run's). The model is loaded and the evaluation compiled once for all draws."""
     from functools import partial
 
-    from favor import sharding, trainer, uptrain
+    from favor import configlib, sharding, trainer, uptrain
     from favor.attention import schedule
     workdir = Path(workdir)
     config = trainer.with_tokenizer(config, workdir)
@@ -133,7 +133,7 @@ def day0(config, workdir, seeds):
                                           layout.state["params"])
     step_fn = jax.jit(partial(trainer.eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
     draw = jax.jit(lambda p, r, key: trainer.with_features(p, r, graphdef=model.graphdef, key=key))
-    redraws = schedule.parse(config.model.attention.get("redraw", "step")).redraws
+    redraws = schedule.parse(configlib.redraw_of(config.model.attention)).redraws
     out = []
     for seed in seeds:
         key = jax.random.fold_in(jax.random.PRNGKey(int(seed)), trainer.EVAL_FEATURES_STREAM)

@@ -105,21 +105,26 @@ def optim(**overrides) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(o)
 
 
-def attention(kind: str, num_features: int, redraw: str = "step", **options) -> dict:
+def attention(kind: str, num_features: int, redraw: str = "", **options) -> dict:
     """The `config.model.attention` block. It carries the random-feature options (so that
     `--config.model.attention.kind=softmax` is a plain override; options a kind does not take are dropped
-    by `attention_options`) and `coupling=""`, which means the kind's own coupling (orthogonal, or simplex
-    for simrf): a locked config refuses to override a key it lacks, so the key must exist, but a value
-    here would override every kind's own (an "orthogonal" here once made simrf run FAVOR+)."""
+    by `attention_options`), the layer's query/key normalisation (favor.attention.qknorm, every kind), and
+    `coupling=""` and `redraw=""`, which mean the kind's own (coupling: orthogonal, or simplex for simrf;
+    redraw: `redraw_of`): a locked config refuses to override a key it lacks, so the keys must exist, but a
+    value here would override every kind's own (an "orthogonal" here once made simrf run FAVOR+)."""
     return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, "window": 0,
             **qknorm.OPTIONS, **options}
 
 
+OWN_DEFAULT = ("coupling", "redraw")      # block keys whose empty value means "the kind's own"
+
+
 def attention_options(block) -> dict:
     """The attention block as `favor.attention.get` keywords: only the options the chosen kind takes
-    and no empty `coupling` (the kind's own). `ignored_attention_options` names what was left out."""
+    and no empty `coupling` or `redraw` (the kind's own). `ignored_attention_options` names what was
+    left out."""
     from favor import attention as attention_lib
-    options = {k: v for k, v in dict(block).items() if not (k == "coupling" and not v)}
+    options = {k: v for k, v in dict(block).items() if not (k in OWN_DEFAULT and not v)}
     kind = options.get("kind")
     if kind not in attention_lib.names():
         raise ValueError(f"unknown attention kind {kind!r} (config.model.attention.kind); "
@@ -132,7 +137,15 @@ def ignored_attention_options(block) -> list[str]:
     """The options of the block that the kind does not take (an empty coupling is not one: it means
     "the kind's own")."""
     taken = attention_options(block)
-    return sorted(k for k, v in dict(block).items() if k not in taken and (k != "coupling" or v))
+    return sorted(k for k, v in dict(block).items() if k not in taken and (k not in OWN_DEFAULT or v))
+
+
+def redraw_of(block) -> str:
+    """The redraw schedule a run with this attention block uses: the block's, or the kind's own default
+    (each random-feature kind's, from the measurements in its OPTIONS; "fixed" for kinds that draw
+    nothing)."""
+    from favor import attention as attention_lib
+    return dict(block).get("redraw") or attention_lib.get(dict(block)["kind"]).OPTIONS.get("redraw", "fixed")
 
 
 # -- loading a config file -----------------------------------------------------------------------------
@@ -312,7 +325,7 @@ def _validate_model(config) -> None:
     kind = block.get("kind")
     if kind not in attention_lib.names():
         raise ConfigError("model.attention.kind", kind, f"must be one of {', '.join(attention_lib.names())}")
-    if "redraw" in block:
+    if block.get("redraw"):
         try:
             schedule.parse(block["redraw"])
         except ValueError:

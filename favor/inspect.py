@@ -9,7 +9,10 @@ values. Then, per layer and head, on those same q, k, v:
 - the norms of the scaled queries and keys x = q·D^(−1/4), y = k·D^(−1/4) (the kernel is exp(xᵀy): the
   random-feature variances grow like e^(‖x‖² + ‖y‖²));
 - the mean relative variance Var[Ŝ(x, y)] / exp(xᵀy)² over valid pairs, from the kind's analytic formula
-  for M iid features (a kind or coupling without a formula, or a window kind, shows —).
+  for M iid features (a kind or coupling without a formula, or a window kind, shows —);
+- for the sign-indefinite kinds (trig, HRF), the fraction of valid query rows whose estimated denominator
+  is ≤ 0 (the HRF paper's "negative fraction", its Fig. 3: rows the old guard sign-flipped) and the
+  fraction below the floor n·exp(xᵀȳ) that the layer raises them to (favor.attention.linear.floored_ratio).
 
 A kind is `kind[:variant][@window]`: `favor#:saderf`, `hrf:gaussian`, `favor+@16` (favor+ with a local
 window of 16). Options not given come from the run's attention block (coupling, ...); every random-
@@ -31,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from favor import attention as attention_lib, configlib
+from favor.attention import qknorm
 from favor.models.layers import SelfAttention
 
 DEFAULT_KINDS = ("softmax", "favor", "favor+", "favor++", "favor#")
@@ -62,9 +66,10 @@ def _build(spec, num_features, run_block):
     block = {**dict(run_block), "kind": kind, **opts}
     if num_features is not None:
         block["num_features"] = int(num_features)
-    options = configlib.attention_options(block)
+    # the layer's own qk_norm is already in the q and k this compares kinds on (SelfAttention.project)
+    options, _ = qknorm.split(configlib.attention_options(block))
     attn = attention_lib.get(**options)
-    label = spec if not isinstance(attn, attention_lib.RandomFeatureAttention) else f"{spec} (M={attn.num_features})"
+    label = spec if not isinstance(attn, attention_lib.RandomFeatureAttention) else f"{spec} (F={attn.num_features})"
     return label, attn
 
 
@@ -107,7 +112,7 @@ def _relative_variance(attn, q, k, mask, ctx):
         return None
     x, y = attn.scaled(q, k)
     try:
-        var = attn.mech.variance(x, y, ctx.params, attn.num_features, "iid")
+        var = attn.mech.variance(x, y, ctx.params, attn.num_draws, "iid")
     except (TypeError, ValueError, NotImplementedError):
         return None
     log_rel = jnp.log(jnp.maximum(var.astype(jnp.float32), 0.0)) - 2.0 * jnp.einsum("bhid,bhjd->bhij", x, y)
@@ -120,9 +125,10 @@ def _relative_variance(attn, q, k, mask, ctx):
 @partial(jax.jit, static_argnums=(0, 1))
 def _kind_figures(attn, causal, q, k, v, mask, key):
     """(squared error against exact softmax per token and head [B, L, H], relative variance per head or
-    None). Softmax is computed in the same program, so the softmax kind's own error is exactly 0."""
+    None, (denominator ≤ 0, below the floor) per token and head [B, L, H] or None). Softmax is computed
+    in the same program, so the softmax kind's own error is exactly 0."""
     exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=causal)
-    rv = None
+    rv = rows = None
     if isinstance(attn, attention_lib.RandomFeatureAttention):
         stats = None
         if causal and attn.data_dependent:
@@ -131,10 +137,12 @@ def _kind_figures(attn, causal, q, k, v, mask, key):
         out = attn(q, k, v, mask=mask, causal=causal, draw=draw, query_mask=mask, stats=stats)
         ctx = attn.context(q, k, mask, None, None, mask, draw, stats, causal)
         rv = _relative_variance(attn, q, k, mask, ctx)
+        if not attn.positive:
+            rows = tuple(jnp.swapaxes(r, 1, 2) for r in attn.denominator_rows(q, k, mask, causal, ctx))
     else:
         out = attn(q, k, v, mask=mask, causal=causal)
     diff = jnp.sum(jnp.square(out.astype(jnp.float32) - exact.astype(jnp.float32)), -1)
-    return diff, rv
+    return diff, rv, rows
 
 
 def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=0, log=print) -> dict:
@@ -153,6 +161,8 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
     err2 = {label: zeros() for label, _ in built}
     var = {label: zeros() for label, _ in built}
     has_var = {label: True for label, _ in built}
+    nonpositive = {label: zeros() for label, attn in built if not getattr(attn, "positive", True)}
+    below = {label: zeros() for label in nonpositive}
     ref2, nq, nk, mq, mk, count, seen = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), 0
     base = jax.random.PRNGKey(seed)
     for batch in data:
@@ -180,8 +190,11 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
             count[li] += np.sum(w)
             key = jax.random.fold_in(jax.random.fold_in(base, li), seen)
             for label, attn in built:
-                diff, rv = _kind_figures(attn, layer.causal, q, k, v, mask, key)
+                diff, rv, rows = _kind_figures(attn, layer.causal, q, k, v, mask, key)
                 err2[label][li] += np.sum(np.asarray(diff, np.float64) * w, (0, 1))
+                if rows is not None:
+                    nonpositive[label][li] += np.sum(np.asarray(rows[0], np.float64) * w, (0, 1))
+                    below[label][li] += np.sum(np.asarray(rows[1], np.float64) * w, (0, 1))
                 if rv is None:
                     has_var[label] = False
                 else:
@@ -197,6 +210,9 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
         rel = np.sqrt(err2[label] / np.maximum(ref2, 1e-30))
         result["kinds"][label] = {"relative_error": rel.tolist(),
                                   "relative_variance": (var[label] / seen).tolist() if has_var[label] else None}
+        if label in nonpositive:
+            result["kinds"][label]["nonpositive_fraction"] = (nonpositive[label] / np.maximum(count, 1)).tolist()
+            result["kinds"][label]["below_floor_fraction"] = (below[label] / np.maximum(count, 1)).tolist()
     return result
 
 
@@ -223,6 +239,10 @@ def report(result) -> str:
         if r["relative_variance"] is not None:
             lines += [f"{label}: mean relative variance Var[Ŝ]/exp(xᵀy)² (iid formula)", head]
             lines += _grid(r["relative_variance"], g)
+        if r.get("nonpositive_fraction") is not None:
+            lines += [f"{label}: fraction of rows whose estimated denominator is ≤ 0 / below the floor", head]
+            lines += _grid([[f"{a:.3f}/{b:.3f}" for a, b in zip(n, f_)] for n, f_ in
+                            zip(r["nonpositive_fraction"], r["below_floor_fraction"])], lambda s: f"{s:>9}")
     summary = sorted((float(np.mean(r["relative_error"])), label) for label, r in result["kinds"].items())
     lines += ["", "mean relative error over layers and heads:"]
     lines += [f"  {label:<28} {e:.4f}" for e, label in summary]

@@ -51,10 +51,10 @@ class Run:
 
 
 def run_name(overrides: Mapping, short: Mapping[str, str] | None = None) -> str:
-    """`kind=favor#_seed=1`: each key by its last part (the whole dotted key where two keys share it),
-    characters a directory name should not hold replaced by '-'."""
+    """`kind=favor#_seed=1`: each key by its last part (the whole dotted key where two keys share it), an
+    empty value as "none", characters a directory name should not hold replaced by '-'."""
     short = short or {k: k.split(".")[-1] for k in overrides}
-    name = "_".join(f"{short[k]}={v}" for k, v in overrides.items()) or "base"
+    name = "_".join(f"{short[k]}={v if v != '' else 'none'}" for k, v in overrides.items()) or "base"
     return re.sub(r"[^A-Za-z0-9=._+#-]", "-", name)
 
 

@@ -70,7 +70,7 @@ def model_builder(config):
 
 
 def redraw_schedule(config) -> schedule.Redraw:
-    return schedule.parse(config.model.attention.get("redraw", "step"))
+    return schedule.parse(configlib.redraw_of(config.model.attention))
 
 
 def features_base(config):

@@ -180,3 +180,30 @@ def test_stored_base_draw_adapted_equals_a_fresh_draw(name, options):
 def test_data_dependent_degrees_have_no_base_draw(name):
     with pytest.raises(NotImplementedError, match=re.escape(f"{name}: the draw depends on the fitted parameters")):
         kernels.get(name).draw_base(jax.random.PRNGKey(0), 8, 4)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_layer_moments_equal_the_moments_of_each_head(full):
+    """stats.layer_moments reads [B, L, H, d] (the attention layer's layout) and must give, per batch and
+    head, the weighted means and second moments of the valid rows (float64 numpy written here), the
+    second moments' diagonal only with full=False; an all-padding row set gives zeros."""
+    from favor.kernels import stats
+    rng = np.random.default_rng(0)
+    b, lx, ly, h, d = 3, 7, 5, 2, 4
+    x, y = rng.normal(size=(b, lx, h, d)), rng.normal(size=(b, ly, h, d))
+    xm = rng.random((b, lx)) > 0.3
+    ym = rng.random((b, ly)) > 0.3
+    ym[2] = False
+    m = stats.layer_moments(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), jnp.asarray(xm),
+                            jnp.asarray(ym), full=full)
+    for bi in range(b):
+        for hi in range(h):
+            for u, mask, mean, second in ((x, xm, m.mean_x, m.second_x), (y, ym, m.mean_y, m.second_y)):
+                rows = u[bi, mask[bi], hi]
+                want_mean = rows.mean(0) if len(rows) else np.zeros(d)
+                want_second = rows.T @ rows / len(rows) if len(rows) else np.zeros((d, d))
+                if not full:
+                    want_second = np.diag(np.diag(want_second))
+                np.testing.assert_allclose(np.asarray(mean[bi, hi]), want_mean, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(np.asarray(second[bi, hi]), want_second, rtol=1e-5, atol=1e-6)
+            assert float(m.count[bi, hi]) == min(xm[bi].sum(), ym[bi].sum())

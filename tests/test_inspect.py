@@ -21,17 +21,17 @@ def test_softmax_is_exact_and_favor_plus_error_falls_with_features(run):
     result = favor_inspect.inspect(run, kinds=("softmax", "favor+"), num_features=(2, 64, 2048), batches=2,
                                    log=print)
     kinds = result["kinds"]
-    assert set(kinds) == {"softmax", "favor+ (M=2)", "favor+ (M=64)", "favor+ (M=2048)"}
+    assert set(kinds) == {"softmax", "favor+ (F=2)", "favor+ (F=64)", "favor+ (F=2048)"}
     shape = (result["layers"], result["heads"])
     assert np.asarray(kinds["softmax"]["relative_error"]).shape == shape
     np.testing.assert_array_equal(kinds["softmax"]["relative_error"], 0.0)
-    few, mid, many = (np.asarray(kinds[f"favor+ (M={m})"]["relative_error"]) for m in (2, 64, 2048))
+    few, mid, many = (np.asarray(kinds[f"favor+ (F={m})"]["relative_error"]) for m in (2, 64, 2048))
     assert np.all(few > 0) and np.all(np.isfinite(many))
     # this run's keys are large (relative variances in the thousands): the error falls slower than
     # 1/√M, but it falls (measured: 0.26, 0.15, 0.10 at M = 2, 64, 4096)
     assert few.mean() > mid.mean() > many.mean() and many.mean() < 0.6 * few.mean(), (few, mid, many)
     # the analytic relative variance falls as 1/M for iid features (same inputs)
-    v2, v64 = (np.asarray(kinds[f"favor+ (M={m})"]["relative_variance"]) for m in (2, 64))
+    v2, v64 = (np.asarray(kinds[f"favor+ (F={m})"]["relative_variance"]) for m in (2, 64))
     np.testing.assert_allclose(v2 / v64, 32.0, rtol=1e-4)
     # norms of the scaled queries/keys: positive, the max at least the mean
     assert np.all(np.asarray(result["query_norm"]) > 0)
@@ -44,12 +44,12 @@ def test_command_prints_plots_and_writes_json(run, tmp_path, capsys):
                                "--batches", "1", "--plot", str(png), "--json", str(js)])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "favor# (M=8): relative error of the attention output against softmax" in out
-    assert "favor+@2 (M=8)" in out and "layer 0" in out and "head 0" in out
+    assert "favor# (F=8): relative error of the attention output against softmax" in out
+    assert "favor+@2 (F=8)" in out and "layer 0" in out and "head 0" in out
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     data = json.loads(js.read_text())
-    assert data["kinds"]["favor+@2 (M=8)"]["relative_variance"] is None        # no formula with a window
-    assert data["kinds"]["favor# (M=8)"]["relative_variance"] is not None
+    assert data["kinds"]["favor+@2 (F=8)"]["relative_variance"] is None        # no formula with a window
+    assert data["kinds"]["favor# (F=8)"]["relative_variance"] is not None
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -66,3 +66,26 @@ def test_bad_arguments_are_one_clear_error(run, argv, message, capsys):
 def test_a_directory_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     assert favor_inspect.main(["--workdir", str(tmp_path)]) == 2
     assert "no checkpoints/ there" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["favor", "hrf"])
+def test_sign_indefinite_kinds_train_without_nonpositive_denominators(kind, tmp_path):
+    """A trig / HRF model trained on the runlocal config with queries and keys on a learned sphere
+    (qk_norm="l2"): on its own evaluation inputs no row's estimated denominator is ≤ 0 (the rows the old
+    guard came out of sign-flipped); inspect reports that fraction and the fraction below the floor,
+    each in [0, 1], for sign-indefinite kinds only."""
+    # the sphere starts with nearly uniform attention (logits in [−1, 1]): 192 steps, not the config's 64
+    config = tiny(**{"model.attention.kind": kind, "model.attention.qk_norm": "l2", "total_steps": 192,
+                     "model.attention.num_features": 128,
+                     "eval_every": 96, "checkpoint_every": 96})
+    summary = trainer.run(config, tmp_path / "run")
+    assert summary["accuracy"] > 0.3, summary                       # chance is 0.1
+    result = favor_inspect.inspect(tmp_path / "run", kinds=(kind, "favor+"), num_features=(None,), batches=2,
+                                   log=print)
+    label = next(k for k in result["kinds"] if k.startswith(kind + " "))
+    nonpositive = np.asarray(result["kinds"][label]["nonpositive_fraction"])
+    below = np.asarray(result["kinds"][label]["below_floor_fraction"])
+    assert nonpositive.shape == (result["layers"], result["heads"])
+    np.testing.assert_array_equal(nonpositive, 0.0)
+    assert np.all((below >= 0) & (below <= 1))
+    assert "nonpositive_fraction" not in next(v for k, v in result["kinds"].items() if k.startswith("favor+"))

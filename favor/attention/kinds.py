@@ -366,10 +366,19 @@ class RandomFeatureAttention(FeatureAttention):
     def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None, stats=None,
                 causal=False) -> RandomFeatureContext:
         """Fit the mechanism (valid tokens, or `stats`) and draw ω (or adapt the stored `draw`)."""
-        x, y = self.scaled(q, k)
-        if not self.fit_gradients:
-            x, y = jax.lax.stop_gradient(x), jax.lax.stop_gradient(y)
-        params = self._params(x, y, mask, query_mask, stats, causal)
+        if self.data_dependent and stats is None and not causal and hasattr(self.mech, "layer_statistics"):
+            # the fit's statistics read in the layer's own [B, L, H, D] layout (stats.layer_moments: the
+            # transposed one costs FAVOR++ a fifth of its forward pass at L = 8192)
+            s = q.shape[-1] ** -0.25
+            xq, yk = q.astype(jnp.float32) * s, k.astype(jnp.float32) * s
+            if not self.fit_gradients:
+                xq, yk = jax.lax.stop_gradient(xq), jax.lax.stop_gradient(yk)
+            params = self.mech.fit_statistics(self.mech.layer_statistics(xq, yk, query_mask, mask))
+        else:
+            x, y = self.scaled(q, k)
+            if not self.fit_gradients:
+                x, y = jax.lax.stop_gradient(x), jax.lax.stop_gradient(y)
+            params = self._params(x, y, mask, query_mask, stats, causal)
         return RandomFeatureContext(params=params, draw=self._draw(params, rng, step, draw))
 
     def _draw(self, params, rng, step, draw):
@@ -393,6 +402,28 @@ class RandomFeatureAttention(FeatureAttention):
                                 self.window, causal, self.chunk_size, self.causal_path, self.causal_span,
                                 self.floor(x, y, _to_bhld(v), mask, causal))
         return _to_bhld(out).astype(v.dtype)
+
+    def denominator_rows(self, q, k, mask=None, causal=False, ctx=None):
+        """(den ≤ 0, den below the floor) [B, H, Lq] booleans: which rows' estimated denominators are not
+        positive, and which fall below the floor `floored_ratio` raises them to (the HRF paper's
+        "negative fractions", Fig. 3). For diagnostics (favor.inspect) of self-attention (Lq = Lk); the
+        estimate over every key (a window's exact band, which only adds mass, is not counted); every row
+        False for positive kinds. `ctx` the call's context (fitted parameters and draw)."""
+        x, y = self.inputs(q, k)
+        if self.positive:
+            none = jnp.zeros(x.shape[:3], bool)
+            return none, none
+        if causal:
+            zeros = jnp.zeros((*y.shape[:3], 0), jnp.float32)
+            sums, scale = linear._causal_sums_maps(self.query_map, self.key_map, ctx, x, y,
+                                                   linear._ones_column(zeros), mask, self.chunk_size, "exact",
+                                                   self.causal_span)
+            den = sums[..., 0]
+        else:
+            (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)
+            den, scale = linear.bidirectional_denominators(lq, sq, lk, sk, mask)
+        floor = linear.jensen_floor(x, y, jnp.zeros((*y.shape[:3], 1), jnp.float32), mask, causal)
+        return (den <= 0) & jnp.isfinite(scale), linear.below_floor(den[..., None], scale, floor)
 
     def decode_init(self, batch, heads, dim, dv):
         if not self.window:

@@ -159,6 +159,20 @@ def below_floor(out, scale, floor):
     return ok & (out[..., -1] < bound)
 
 
+def bidirectional_denominators(lq, sq, lk, sk, valid=None):
+    """(the estimated denominators φ_q(i)ᵀΣ_j φ_k(j) [B, H, Lq] on each query's scale, that scale): the
+    quantities `floored_ratio` compares with the floor, from whole log-feature arrays (for diagnostics;
+    the pass itself forms them chunk by chunk)."""
+    lk = _mask_keys(lk.astype(F32), valid)
+    tau = sg(jnp.max(lk, axis=-2, keepdims=True))                               # [B, H, 1, F]
+    w = jnp.where(jnp.isfinite(lk), jnp.exp(lk - _finite_or(tau)), 0.0)
+    ksum = jnp.sum(_with_sign(w, sk), axis=-2, keepdims=True)                    # [B, H, 1, F]
+    lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + _finite_or(tau), NEG_INF)
+    scale = jnp.max(lqt, axis=-1)
+    fq = _with_sign(jnp.exp(lqt - _finite_or(scale)[..., None]), sq)
+    return jnp.sum(fq * ksum, -1), scale
+
+
 def _bound(floor, scale):
     """(rows that have a bound, the bound on the row's scale; 0 where none). Double where: no inf or NaN
     of a row without a bound (no key, or an overflowed input) reaches the backward pass."""

@@ -123,7 +123,19 @@ class ExponentialMechanism(Mechanism):
 
     def statistics(self, x, y, x_mask=None, y_mask=None, init=None):
         x, y = check_sets(x, y, x_mask, y_mask)
-        return stats.moments(x.astype(jnp.float32), y.astype(jnp.float32), x_mask, y_mask)
+        return stats.moments(x.astype(jnp.float32), y.astype(jnp.float32), x_mask, y_mask,
+                             full=self._full_moments())
+
+    def layer_statistics(self, x, y, x_mask=None, y_mask=None):
+        """`statistics` of an attention layer's scaled queries x [B, Lx, H, d] and keys y [B, Ly, H, d]
+        in its own layout, masks [B, L]: per batch and head, [B, H, ...] (stats.layer_moments)."""
+        return stats.layer_moments(x, y, x_mask, y_mask, full=self._full_moments())
+
+    def _full_moments(self):
+        # identity and diagonal transforms read only the second moments' diagonals (OPRF: their traces;
+        # SADERF: per coordinate); rotations (SDERF), dense transforms (ADERF) and importance sampling's
+        # proposal need the whole matrices
+        return self.importance or self.TRANSFORM in ("orthogonal", "dense")
 
     def fit_statistics(self, m):
         bs, d = m.count.shape, m.mean_x.shape[-1]

@@ -17,7 +17,7 @@ class Moments:
     of both sets (every fit is a closed form of these), and the valid-row counts."""
     mean_x: jax.Array     # [..., d]
     mean_y: jax.Array     # [..., d]
-    second_x: jax.Array   # [..., d, d]  E[x xᵀ]
+    second_x: jax.Array   # [..., d, d]  E[x xᵀ] (only its diagonal, off-diagonal 0, from moments(full=False))
     second_y: jax.Array   # [..., d, d]
     count: jax.Array      # [...] valid rows seen (the smaller of the two sets)
 
@@ -35,17 +35,52 @@ class Moments:
         return tr(self.second_x) + 2.0 * jnp.sum(self.mean_x * self.mean_y, -1) + tr(self.second_y)
 
 
-def moments(x, y, x_mask=None, y_mask=None):
-    """Moments of the valid rows of x [..., Lx, d] and y [..., Ly, d]."""
+def moments(x, y, x_mask=None, y_mask=None, full=True):
+    """Moments of the valid rows of x [..., Lx, d] and y [..., Ly, d]. full=False: the second moments'
+    diagonals only (as diagonal matrices), O(L·d) instead of O(L·d²): all that fits with an identity or
+    diagonal transform read (OPRF's trace statistic, SADERF's per-coordinate scales); at L = 8192, d = 64
+    the full second moments cost a fifth of FAVOR+'s whole forward pass on a CPU."""
     wx, wy = row_weights(x, x_mask), row_weights(y, y_mask)
     count = jnp.minimum(valid_count(x, x_mask), valid_count(y, y_mask))
     mean_x, mean_y = mean(x, wx), mean(y, wy)
-    second_x, second_y = second_moment(x, wx), second_moment(y, wy)
+    second = second_moment if full else diagonal_second_moment
+    second_x, second_y = second(x, wx), second(y, wy)
     bs = jnp.broadcast_shapes(mean_x.shape[:-1], mean_y.shape[:-1])
     d = x.shape[-1]
     b = lambda a, tail: jnp.broadcast_to(a, (*bs, *tail))
     return Moments(mean_x=b(mean_x, (d,)), mean_y=b(mean_y, (d,)), second_x=b(second_x, (d, d)),
                    second_y=b(second_y, (d, d)), count=b(count, ()))
+
+
+def layer_moments(x, y, x_mask=None, y_mask=None, full=True):
+    """`moments` per batch and head of an attention layer's scaled queries x [B, Lx, H, d] and keys
+    y [B, Ly, H, d] in the layer's own layout (rows along axis 1), masks [B, L]: the same statistics as
+    `moments` of the sets [B, H, L, d], computed as plain sums over axis 1. Why: XLA:CPU reduces this
+    layout ~6× faster than the transposed one, and a weighted sum (a broadcast product inside the
+    reduction) or several dots sharing a producer take it from ~2 ms to 14-130 ms at L = 8192, d = 64."""
+    def side(u, mask):
+        u = u.astype(jnp.float32)
+        if mask is None:
+            n = jnp.full((u.shape[0], 1, 1), float(u.shape[1]), jnp.float32)
+        else:
+            valid = jnp.asarray(mask, bool)
+            u = jnp.where(valid[:, :, None, None], u, 0.0)           # padded rows add nothing
+            n = jnp.sum(valid, axis=1).astype(jnp.float32)[:, None, None]
+        inv = 1.0 / jnp.maximum(n, 1.0)                              # no valid row: zero statistics
+        mean_u = jnp.sum(u, axis=1) * inv                            # [B, H, d]
+        if full:
+            # contracting the rows of [B, H, L, d] with itself as one dot_general: 4× faster here than
+            # ut.T @ ut or a contraction over axis 1 of the [B, L, H, d] layout
+            ut = jnp.swapaxes(u, 1, 2)
+            second = jnp.einsum("bhld,bhle->bhde", ut, ut) * inv[..., None]
+        else:
+            second = (jnp.sum(u * u, axis=1) * inv)[..., :, None] * jnp.eye(u.shape[-1], dtype=jnp.float32)
+        return mean_u, second, n[:, :, 0]
+
+    mean_x, second_x, nx = side(x, x_mask)
+    mean_y, second_y, ny = side(y, y_mask)
+    count = jnp.broadcast_to(jnp.minimum(nx, ny), mean_x.shape[:-1])
+    return Moments(mean_x=mean_x, mean_y=mean_y, second_x=second_x, second_y=second_y, count=count)
 
 
 def valid_count(u, mask):
@@ -75,6 +110,12 @@ def mean(u, w):
 def second_moment(u, w):
     """Σ_i w_i u_i u_iᵀ: [..., d, d]."""
     return jnp.einsum("...l,...ld,...le->...de", w, u, u)
+
+
+def diagonal_second_moment(u, w):
+    """diag(Σ_i w_i u_i u_iᵀ) as a diagonal matrix [..., d, d]."""
+    diag = mean(u * u, w)
+    return diag[..., :, None] * jnp.eye(u.shape[-1], dtype=diag.dtype)
 
 
 def mean_sq_norm(u, w):
