@@ -1,7 +1,8 @@
 """Benchmarks: `python -m favor.bench attention [--lengths 512,1024] [--kinds favor+,softmax]` and
 `python -m favor.bench train --config configs/<file>.py[:args] --metric wer --target 0.5 [-- FLAGS]` and
 `python -m favor.bench parts [--length 8192]` (FAVOR+'s forward against the cost of its parts) and
-`python -m favor.bench ratios [--length 8192] [--rounds 15]` (issue 13's speed targets, timed round-robin) and
+`python -m favor.bench ratios [--length 8192] [--rounds 15] [--targets long|kinds|...]` (speed targets, timed
+round-robin) and
 `python -m favor.bench uptrain [--config configs/default.py]` (every kind started from a softmax run:
 favor/bench_uptrain.py).
 
@@ -191,23 +192,38 @@ TARGETS = (("favor/bidir", "favor+/bidir", 2.5), ("hrf/bidir", "favor+/bidir", 2
            ("favor+@64/causal", "favor+/causal", 1.25), ("favor#@64/causal", "favor#/causal", 1.25))
 
 
+# The costs of the kinds at one feature width (FAVOR++ and FAVOR# against FAVOR+, forward and
+# forward+backward, bidirectional; trig and HRF): the targets of `--targets kinds`
+KIND_TARGETS = tuple((f"{k}/bidir{g}", f"favor+/bidir{g}", t) for g in ("", "+grad")
+                     for k, t in (("favor++", 1.15), ("favor#", 1.4), ("favor", 1.5), ("hrf", 1.5)))
+TARGET_SETS = {"long": TARGETS, "kinds": KIND_TARGETS}
+
+
 def _entry(text):
+    """'favor#/bidir' -> ('favor#', causal False, matmul False, grad False); the mode may end in '+grad'
+    (the forward and backward pass, as a training step runs it)."""
     spec, _, mode = text.rpartition("/")
+    grad = mode.endswith("+grad")
+    mode = mode.removesuffix("+grad")
     if mode not in ("bidir", "causal") or not spec:
-        raise ValueError(f"ratio entry {text!r}: expected kind/bidir or kind/causal (or matmul:kind/mode)")
+        raise ValueError(f"ratio entry {text!r}: expected kind/bidir or kind/causal, optionally +grad (or "
+                         f"matmul:kind/mode)")
     matmul = spec.startswith("matmul:")
     kind = spec[len("matmul:"):] if matmul else spec
     if kind.partition("@")[0].partition(":")[0] not in attention.names():
         raise ValueError(f"ratio entry {text!r}: unknown kind {kind!r}; valid: {', '.join(attention.names())}")
-    return kind, mode == "causal", matmul
+    return kind, mode == "causal", matmul, grad
 
 
-def _forward(spec, length, causal):
-    """(compiled forward, its arguments, forward FLOPs) of one kind, set up as `measure` does."""
+def _forward(spec, length, causal, grad=False):
+    """(compiled forward — or forward and backward with `grad` —, its arguments, its FLOPs) of one kind,
+    set up as `measure` does."""
     attn, twin, args, stats = setup(spec, length, causal)
-    compiled, _, flops = _compile(lambda q, k, v, r: attn(q, k, v, causal=causal, rng=r, stats=stats), args)
+    fwd = lambda q, k, v, r: attn(q, k, v, causal=causal, rng=r, stats=stats)
+    fn = (lambda q, k, v, r: jax.grad(lambda *a: jnp.sum(fwd(*a, r)), argnums=(0, 1, 2))(q, k, v)) if grad else fwd
+    compiled, _, flops = _compile(fn, args)
     if twin is not attn:
-        flops = _flops(twin, causal, *args, stats, grad=False)
+        flops = _flops(twin, causal, *args, stats, grad=grad)
     return compiled, args, flops
 
 
@@ -219,15 +235,15 @@ def ratios(targets, length, rounds, seed=0):
     parsed = {e: _entry(e) for e in entries}
     programs, flops = {}, {}          # entry -> (function, arguments, factor on its time)
     for e in entries:
-        kind, causal, matmul = parsed[e]
+        kind, causal, matmul, grad = parsed[e]
         if not matmul:
-            fn, args, flops[e] = _forward(kind, length, causal)
+            fn, args, flops[e] = _forward(kind, length, causal, grad)
             programs[e] = (fn, args, 1.0)
     for e in entries:
-        kind, causal, matmul = parsed[e]
+        kind, causal, matmul, grad = parsed[e]
         if matmul:
-            twin = f"{kind}/{'causal' if causal else 'bidir'}"
-            programs[e] = square_matmul(flops[twin] if twin in flops else _forward(kind, length, causal)[2])
+            twin = e[len("matmul:"):]
+            programs[e] = square_matmul(flops[twin] if twin in flops else _forward(kind, length, causal, grad)[2])
     times = {e: [] for e in entries}
     order = list(entries)
     rnd = random.Random(seed)
@@ -255,19 +271,21 @@ def write_ratios(rows, times, length, rounds, out_dir, argv, section="attention-
     (out_dir / "bench").mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "length": length, "rounds": rounds, "B": B, "H": H, "D": D, "M": M,
-            "command": "python -m favor.bench " + " ".join(argv)}
+            "command": "python -m favor.bench " + " ".join(argv), "xla_flags": os.environ.get("XLA_FLAGS", "")}
     (out_dir / "bench" / f"{section}.json").write_text(json.dumps({"meta": meta, "rows": rows, "times": times},
                                                                   indent=1))
     met = lambda r: "met" if r["median_ratio"] <= r["target"] else "not met"
-    lines = ["| ratio (forward) | target | ratio of minima | median of per-round ratios | rounds within | verdict |",
+    lines = ["| ratio | target | ratio of minima | median of per-round ratios | rounds within | verdict |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['numerator']} : {r['denominator']} | ≤ {r['target']:g} | {r['ratio_of_minima']:.2f} | "
               f"{r['median_ratio']:.2f} | {r['rounds_within_target']:.0%} | {met(r)} |" for r in rows]
     times_lines = ["| program | min ms | median ms |", "|---|---|---|"]
     times_lines += [f"| {e} | {t['min_ms']:.2f} | {t['median_ms']:.2f} |" for e, t in sorted(times.items())]
-    body = (f"## {section} (`{meta['command']}`)\n\n"
-            f"L = {length}, B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
-            f"({meta['cpu_count']} cores), jax {meta['jax']}. Forward passes timed round-robin, {rounds} rounds, "
+    flags = f"XLA_FLAGS='{meta['xla_flags']}' " if meta["xla_flags"] else ""
+    body = (f"## {section} (`{flags}{meta['command']}`)\n\n"
+            f"L = {length}, B = {B}, H = {H}, D = {D}, feature width F = {M} for every kind, float32, "
+            f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}. Forward passes ('+grad': "
+            f"forward and backward) timed round-robin, {rounds} rounds, "
             f"each round every program once in a random order (load falls on all alike); the verdict reads the "
             f"median of the per-round ratios. 'matmul:' is a square matmul scaled to the kind's FLOP count. "
             f"Raw figures: bench/{section}.json.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(times_lines))
@@ -311,7 +329,8 @@ def write(rows, out_dir, argv, section="attention-benchmark"):
             "command": "python -m favor.bench " + " ".join(argv)}
     name = "attention" if section == "attention-benchmark" else section
     (out_dir / "bench" / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    body = (f"## {section} (`{meta['command']}`)\n\n"
+    flags = f"XLA_FLAGS='{meta['xla_flags']}' " if meta["xla_flags"] else ""
+    body = (f"## {section} (`{flags}{meta['command']}`)\n\n"
             f"B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
             f"({meta['cpu_count']} cores), jax {meta['jax']}, malloc keeps freed pages: "
             f"{meta['malloc_keeps_pages']} (favor/runtime.py). Ratios are within this one run; "
@@ -398,7 +417,8 @@ def train(config, metric, target, lower_is_better, flags, out_dir, section, argv
     rows += [f"| {e['step']} | {e['seconds']:.0f} | " + " | ".join(f"{e[k]:.4f}" for k in keys) + " |" for e in evals]
     verdict = (f"{metric} {'<' if lower_is_better else '>'} {target} first at step {first['step']}, "
                f"{first['seconds']:.0f} s after the run started" if first else f"{metric} never reached {target}")
-    body = (f"## {section} (`{meta['command']}`)\n\n"
+    flags = f"XLA_FLAGS='{meta['xla_flags']}' " if meta["xla_flags"] else ""
+    body = (f"## {section} (`{flags}{meta['command']}`)\n\n"
             f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}; seconds count from the start of "
             f"`trainer.run` (data preparation, compilation and evaluation included); the whole process took "
             f"{wall:.0f} s. {verdict}. Raw figures: bench/{section}.json.\n\n" + "\n".join(rows))
@@ -432,12 +452,13 @@ def main(argv=None):
     p.add_argument("--out", default=".")
     p.add_argument("--section", default="attention-benchmark",
                    help="BENCHMARKS.md section (and bench/<section>.json) this run replaces")
-    r = sub.add_parser("ratios", help="issue 13's speed ratios, every program timed round-robin")
+    r = sub.add_parser("ratios", help="speed ratios against targets, every program timed round-robin")
     r.add_argument("--length", type=int, default=8192)
     r.add_argument("--rounds", type=int, default=15)
-    r.add_argument("--targets", default=None,
-                   help="NUMERATOR,DENOMINATOR,TARGET;... with entries kind/bidir, kind/causal or "
-                        "matmul:kind/mode (default: issue 13's)")
+    r.add_argument("--targets", default="long",
+                   help="a named set (long: the long-sequence speed targets; kinds: the kinds' costs at one "
+                        "width) or NUMERATOR,DENOMINATOR,TARGET;... with entries kind/bidir, kind/causal, "
+                        "either +grad (forward and backward), or matmul:kind/mode (default: %(default)s)")
     r.add_argument("--out", default=".")
     r.add_argument("--section", default="attention-ratios")
     from favor import bench_uptrain
@@ -463,8 +484,8 @@ def main(argv=None):
         print(table_rows)
         return
     if args.what == "ratios":
-        targets = TARGETS
-        if args.targets:
+        targets = TARGET_SETS.get(args.targets)
+        if targets is None:
             try:
                 targets = []
                 for item in args.targets.split(";"):

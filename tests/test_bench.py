@@ -65,3 +65,16 @@ def test_bench_ratios_times_round_robin_and_writes_the_verdicts(tmp_path):
     assert "| favor+/causal : favor+/bidir | ≤ 1.5 |" in md
     with pytest.raises(SystemExit):
         bench.main(["ratios", "--targets", "favor+/sideways,favor+/bidir,1"])
+
+
+def test_bench_ratios_times_forward_and_backward(tmp_path):
+    """'+grad' entries time the forward and backward pass; a matmul yardstick of one takes its FLOPs."""
+    targets = "favor++/bidir+grad,favor+/bidir+grad,1.15;favor+/bidir+grad,matmul:favor+/bidir+grad,3"
+    bench.main(["ratios", "--length", "32", "--rounds", "2", "--out", str(tmp_path), "--targets", targets])
+    data = json.loads((tmp_path / "bench" / "attention-ratios.json").read_text())
+    assert set(data["times"]) == {"favor++/bidir+grad", "favor+/bidir+grad", "matmul:favor+/bidir+grad"}
+    fwd, _, flops_fwd = bench._forward("favor+", 32, False)
+    _, _, flops_grad = bench._forward("favor+", 32, False, grad=True)
+    assert flops_grad > 1.5 * flops_fwd
+    assert "| favor++/bidir+grad : favor+/bidir+grad | ≤ 1.15 |" in (tmp_path / "BENCHMARKS.md").read_text()
+    assert bench.TARGET_SETS["kinds"] == bench.KIND_TARGETS
