@@ -326,12 +326,12 @@ def write(rows, out_dir, argv, section="attention-benchmark"):
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": str(jax.devices()),
             "cpu_count": os.cpu_count(), "machine": platform.machine(),
             "malloc_keeps_pages": runtime.keep_host_pages(), "B": B, "H": H, "D": D, "M": M,
-            "command": "python -m favor.bench " + " ".join(argv)}
+            "command": "python -m favor.bench " + " ".join(argv), "xla_flags": os.environ.get("XLA_FLAGS", "")}
     name = "attention" if section == "attention-benchmark" else section
     (out_dir / "bench" / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     flags = f"XLA_FLAGS='{meta['xla_flags']}' " if meta["xla_flags"] else ""
     body = (f"## {section} (`{flags}{meta['command']}`)\n\n"
-            f"B = {B}, H = {H}, D = {D}, M = {M} (HRF: m = 16, n = 8), float32, {meta['backend']} "
+            f"B = {B}, H = {H}, D = {D}, feature width F = {M} for every kind, float32, {meta['backend']} "
             f"({meta['cpu_count']} cores), jax {meta['jax']}, malloc keeps freed pages: "
             f"{meta['malloc_keeps_pages']} (favor/runtime.py). Ratios are within this one run; "
             f"'matmul' is a square matmul with the kind's own FLOP count. Raw figures: bench/{name}.json.\n\n"
@@ -408,7 +408,7 @@ def train(config, metric, target, lower_is_better, flags, out_dir, section, argv
     first = next((e for e in evals if met(e[metric])), None)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "command": "python -m favor.bench " + " ".join(argv),
-            "process_seconds": wall, "target": target, "metric": metric,
+            "process_seconds": wall, "target": target, "metric": metric, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "seconds_to_target": first["seconds"] if first else None}
     (Path(out_dir) / "bench").mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "bench" / f"{section}.json").write_text(json.dumps({"meta": meta, "evals": evals}, indent=1))
@@ -425,6 +425,78 @@ def train(config, metric, target, lower_is_better, flags, out_dir, section, argv
     replace_section(out_dir, section, body)
     print(verdict)
     return meta
+
+
+# -- steps: a config's training step for several kinds, timed round-robin ------------------------------
+STEP_KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
+
+
+def train_steps(config_spec, kinds, rounds, seed=0, flags=()):
+    """Seconds per training step of `config_spec` (configs/<file>.py[:args], with `flags` as
+    --config.key=value overrides) for each attention kind: every kind's jitted step (data, model, shardings
+    and optimizer as train.py builds them, one fixed batch) run once per round in a fresh random order, so
+    load on a shared machine falls on all alike. Returns {kind: [seconds per round]}."""
+    from favor import configlib, sharding, trainer
+    programs = {}
+    for kind in kinds:
+        config = configlib.load(config_spec)
+        for flag in flags:
+            configlib.apply_flag(config, flag)
+        with config.unlocked():
+            config.model.attention.kind = kind
+        configlib.validate(config)
+        source, task = trainer.make_data(config)
+        model = trainer.make_model(config, source)
+        layout = trainer.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
+        step_fn = trainer.make_train_step(config, model, task, layout)
+        state = jax.jit(model.init, out_shardings=layout.state)()
+        batch = layout.global_batch(next(iter(source.train_batches(int(config.batch_size), 0, int(config.seed)))))
+        state, _ = step_fn(state, batch)                                   # compile and warm
+        jax.block_until_ready(state)
+        programs[kind] = [step_fn, state, batch]
+    times = {kind: [] for kind in kinds}
+    order, rnd = list(kinds), random.Random(seed)
+    for _ in range(rounds):
+        rnd.shuffle(order)
+        for kind in order:
+            step_fn, state, batch = programs[kind]
+            t0 = time.perf_counter()
+            state, metrics = step_fn(state, batch)
+            jax.block_until_ready((state, metrics))
+            times[kind].append(time.perf_counter() - t0)
+            programs[kind][1] = state
+    return times
+
+
+def write_steps(times, config_spec, rounds, out_dir, argv, reference="favor+", target=2.0, section="train-steps"):
+    """The per-kind step times against `reference`'s (median of per-round ratios, ≤ `target` met)."""
+    out_dir = Path(out_dir)
+    (out_dir / "bench").mkdir(parents=True, exist_ok=True)
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+            "config": config_spec, "rounds": rounds, "command": "python -m favor.bench " + " ".join(argv),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    rows = []
+    for kind, t in times.items():
+        ratio = statistics.median(a / b for a, b in zip(t, times[reference])) if reference in times else None
+        rows.append({"kind": kind, "min_ms": min(t) * 1e3, "median_ms": statistics.median(t) * 1e3,
+                     "steps_per_second": 1.0 / statistics.median(t), "ratio": ratio})
+    (out_dir / "bench" / f"{section}.json").write_text(json.dumps({"meta": meta, "rows": rows, "times": times},
+                                                                  indent=1))
+    verdict = lambda r: "—" if r["ratio"] is None or r["kind"] in ("softmax", "relu", "elu") else (
+        "met" if r["ratio"] <= target else "not met")
+    lines = [f"| kind | ms per step (min / median) | steps/s | time / {reference}'s | ≤ {target:g}× |",
+             "|---|---|---|---|---|"]
+    fmt = lambda x: "—" if x is None else f"{x:.2f}"
+    lines += [f"| {r['kind']} | {r['min_ms']:.1f} / {r['median_ms']:.1f} | {r['steps_per_second']:.1f} | "
+              f"{fmt(r['ratio'])} | {verdict(r)} |" for r in rows]
+    flags = f"XLA_FLAGS='{meta['xla_flags']}' " if meta["xla_flags"] else ""
+    body = (f"## {section} (`{flags}{meta['command']}`)\n\n"
+            f"`{config_spec}`'s training step (forward, backward, optimizer; the config's batch) for each kind, "
+            f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}: every kind's step once per round "
+            f"in a random order, {rounds} rounds; the ratio is the median of the per-round ratios to "
+            f"{reference}'s step. Raw figures: bench/{section}.json.\n\n" + "\n".join(lines))
+    replace_section(out_dir, section, body)
+    return rows
 
 
 def main(argv=None):
@@ -461,6 +533,12 @@ def main(argv=None):
                         "either +grad (forward and backward), or matmul:kind/mode (default: %(default)s)")
     r.add_argument("--out", default=".")
     r.add_argument("--section", default="attention-ratios")
+    st = sub.add_parser("steps", help="a config's training step for every kind, timed round-robin (flags after --)")
+    st.add_argument("--config", default="configs/default.py", help="configs/<file>.py[:args] (default: %(default)s)")
+    st.add_argument("--kinds", default=",".join(STEP_KINDS))
+    st.add_argument("--rounds", type=int, default=30)
+    st.add_argument("--out", default=".")
+    st.add_argument("--section", default="train-steps")
     from favor import bench_uptrain
     bench_uptrain.add_parser(sub)
     args = parser.parse_args(argv_main)
@@ -505,6 +583,16 @@ def main(argv=None):
         return
     if args.what == "train":
         train(args.config, args.metric, args.target, not args.higher_is_better, flags, args.out, args.section, argv)
+        return
+    if args.what == "steps":
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        unknown = [k for k in kinds if k not in attention.names()]
+        if unknown:
+            parser.error(f"--kinds: unknown {', '.join(unknown)}; valid: {', '.join(attention.names())}")
+        times = train_steps(args.config, kinds, args.rounds, flags=flags)
+        for r in write_steps(times, args.config, args.rounds, args.out, argv, section=args.section):
+            print(f"{r['kind']:>8}: {r['median_ms']:7.1f} ms/step" +
+                  ("" if r["ratio"] is None else f", {r['ratio']:.2f}× favor+"))
         return
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     for k in kinds:

@@ -32,11 +32,10 @@ def _config(spec, flags, kind, **overrides):
     from favor import configlib
     config = configlib.load(spec)
     for flag in flags:
-        key, _, value = flag.removeprefix("--config.").partition("=")
-        problem = configlib.missing_key(config, key)
-        if problem:
-            raise SystemExit(f"--config.{key}: {problem}")
-        _set(config, key, configlib._convert(key, value, configlib.get(config, key)))
+        try:
+            configlib.apply_flag(config, flag)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     name, _, variant = kind.partition(":")
     with config.unlocked():
         config.model.attention.kind = name

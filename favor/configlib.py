@@ -181,6 +181,22 @@ def missing_key(config, path: str) -> str | None:
     return None
 
 
+def apply_flag(config, flag: str) -> None:
+    """Apply one command-line style override "--config.key=value" (or "key=value") to `config`, the value
+    typed by the key's current value as train.py's flags are; a key the config lacks is a ValueError
+    naming the keys there are. For tools that build configs outside train.py's flags."""
+    key, _, value = flag.removeprefix("--config.").partition("=")
+    problem = missing_key(config, key)
+    if problem:
+        raise ValueError(f"--config.{key}: {problem}")
+    node = config
+    *path, last = key.split(".")
+    for part in path:
+        node = node[part]
+    with config.unlocked():
+        node[last] = _convert(key, value, node[last])
+
+
 # -- validation ------------------------------------------------------------------------------------------
 class ConfigError(ValueError):
     """A config value that is not allowed: `config.<key>=<value>: <what is allowed>`."""

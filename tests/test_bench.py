@@ -78,3 +78,18 @@ def test_bench_ratios_times_forward_and_backward(tmp_path):
     assert flops_grad > 1.5 * flops_fwd
     assert "| favor++/bidir+grad : favor+/bidir+grad | ≤ 1.15 |" in (tmp_path / "BENCHMARKS.md").read_text()
     assert bench.TARGET_SETS["kinds"] == bench.KIND_TARGETS
+
+
+def test_bench_steps_times_every_kinds_training_step(tmp_path):
+    """The config's real training step per kind, round-robin; ratios to FAVOR+'s per round; flags after
+    -- apply to every kind."""
+    bench.main(["steps", "--config", "configs/default.py:runlocal", "--kinds", "softmax,favor+,favor", "--rounds",
+                "3", "--out", str(tmp_path), "--", "--config.model.attention.num_features=8"])
+    data = json.loads((tmp_path / "bench" / "train-steps.json").read_text())
+    rows = {r["kind"]: r for r in data["rows"]}
+    assert set(rows) == {"softmax", "favor+", "favor"} and all(len(t) == 3 for t in data["times"].values())
+    assert rows["favor+"]["ratio"] == 1.0 and rows["favor"]["ratio"] > 0
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| favor |" in md and "time / favor+'s" in md
+    with pytest.raises(SystemExit):
+        bench.main(["steps", "--kinds", "performer"])
