@@ -81,9 +81,17 @@ def _hybrid_terms(mech, x, y, draw, params):
         lb, sb = np.log(np.abs(1.0 - lam)), np.sign(1.0 - lam)
     logs = np.concatenate([lp + la[..., None], lt + lb[..., None]], -1)
     signs = np.concatenate([np.broadcast_to(sa[..., None], lp.shape), st * sb[..., None]], -1)
-    # Any linear-attention form of HRF (HRF Lemma 2.3's tensor products) sums λ̂'s parts separately:
-    # Ŝ₊₊ with total weight a + Σ|ρ_q ρ_k| ≤ 1 and Ŝ_trig with (1 − a) + Σ|ρ_q ρ_k| ≤ 2, which cancel to
-    # λ̂ and 1 − λ̂ only in exact arithmetic. The float condition is that of those magnitudes.
+    if mech.name == "hrf-angular":
+        # its indicator form weights each base term by λ̂ or 1 − λ̂ exactly (0 or k/n): no λ-cancellation.
+        # A feature-space computation forms each frequency's cos(ω(x − y)) as sin·sin + cos·cos, terms up
+        # to e^{(||x||²+||y||²)/2}/m each, so those are the magnitudes it sums
+        m = draw.trig.omega.shape[-2]
+        bound = 0.5 * (np.sum(x * x, -1)[..., :, None] + np.sum(y * y, -1)[..., None, :]) - math.log(m)
+        mags = np.concatenate([lp + la[..., None], np.broadcast_to((bound + lb)[..., None], lt.shape)], -1)
+        return logs, signs, mags
+    # Lemma 2.3's tensor-product form (the other variants) sums λ̂'s parts separately: Ŝ₊₊ with total
+    # weight a + Σ|ρ_q ρ_k| ≤ 1 and Ŝ_trig with (1 − a) + Σ|ρ_q ρ_k| ≤ 2, which cancel to λ̂ and 1 − λ̂
+    # only in exact arithmetic. The float condition is that of those magnitudes.
     mags = np.concatenate([lp, lt + math.log(2.0)], -1)
     return logs, signs, mags
 

@@ -144,3 +144,39 @@ def test_decoding_applies_the_same_floor(kind):
         out, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
         outs.append(np.asarray(out))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=2e-4, atol=2e-5)
+
+
+def test_hrf_rows_whose_lambda_is_one_do_not_cancel():
+    """hrf-angular's indicator features weight each base term by exactly λ̂ or 1 − λ̂: where every key has
+    λ̂ = 1 the trig part is absent, not the difference of two equal float32 sums (Lemma 2.3's form left
+    noise up to 3.7 in the outputs here, and the causal pass and decoding disagreed by that much)."""
+    rng = np.random.default_rng(13)
+    b, l, h, d = 1, 8, 1, 8
+    q = (rng.normal(size=(b, l, h, d)) * 2.3).astype(np.float32)
+    k = (rng.normal(size=(b, l, h, d)) * 2.3).astype(np.float32)
+    v = rng.normal(size=(b, l, h, 2)).astype(np.float32)
+    attn = attention.get("hrf", num_features=32, chunk_size=4)
+    full = np.asarray(attn(q, k, v, causal=True))
+    ctx, state, outs = attn.decode_context(d), attn.decode_init(b, h, d, 2), []
+    for t in range(l):
+        out, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
+        outs.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
+    # the features' inner products against Theorem 3.1's estimator written out in float64
+    x = np.asarray(q[0, :, 0], np.float64) * d ** -0.25
+    y = np.asarray(k[0, :, 0], np.float64) * d ** -0.25
+    w = ctx.draw
+    s = lambda u, om: np.einsum("ld,md->lm", u, np.asarray(om, np.float64))
+    lam = np.mean(np.sign(s(x, w.lam.omega))[:, None, :] != np.sign(s(y, w.lam.omega))[None, :, :], -1)
+    z = s(x, w.pos.omega)[:, None, :] + s(y, w.pos.omega)[None, :, :]
+    norms = 0.5 * (np.sum(x * x, -1)[:, None] + np.sum(y * y, -1)[None, :])
+    pos = np.mean(np.exp(z) + np.exp(-z), -1) / 2 * np.exp(-norms)
+    t = s(x, w.trig.omega)[:, None, :] - s(y, w.trig.omega)[None, :, :]
+    trig = np.mean(np.cos(t), -1) * np.exp(norms)
+    expect = lam * pos + (1 - lam) * trig
+    (lq, sq), (lk, sk) = attn.log_maps(q, k, ctx)
+    fq = np.exp(np.asarray(lq, np.float64)) * np.asarray(sq, np.float64)
+    fk = np.exp(np.asarray(lk, np.float64)) * np.asarray(sk, np.float64)
+    got = np.einsum("lf,mf->lm", fq[0, 0], fk[0, 0])
+    assert np.any(lam == 1.0)
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-6 * np.abs(expect).max())

@@ -501,13 +501,13 @@ def _hrf_mechanism(o):
     return "hrf-" + lam, {"num_lambda_features": o["num_lambda_features"]}
 
 
-# num_features is the feature width F, as for every kind: HRF-angular spends it on m = F / (4(n + 1))
-# frequencies per base estimator and n λ projections (HRF-gaussian F / (2(4n + 1)), HRF-cluster
-# F / (4·clusters)). n = 1 by default: at equal width, HRF Theorem 3.1's MSE summed over attention rows
-# (D = 16, queries and keys on S(r), random and aligned pairs) is least at n = 1 and grows with n
-# (r = 1.5, F = 256: n = 1, 2, 3, 4, 7 give 0.057, 0.060, 0.066, 0.081, 0.106 relative): the base
-# estimators' m halves as n goes from 1 to 3, which costs more than λ̂'s extra variance saves. The
-# paper's HRF-A(16, 8) is num_features=576, num_lambda_features=8.
+# num_features is the feature width F, as for every kind: HRF-angular spends it on m = F / (8n)
+# frequencies per base estimator and n λ projections (favor.kernels.hybrid: the indicator form, 8nm
+# wide; HRF-gaussian F / (2(4n + 1)), HRF-cluster F / (4·clusters)). n = 1 by default: at equal width,
+# HRF Theorem 3.1's MSE summed over attention rows (D = 16, queries and keys on S(r), random and
+# aligned pairs) is least at n = 1 and grows with n (r = 1.5, F = 256: n = 1, 2, 3, 4, 7 give 0.057,
+# 0.078, 0.106, 0.121, 0.212 relative): the base estimators' m falls as 1/n, which costs more than λ̂'s
+# extra variance saves. The paper's HRF-A(16, 8) is num_features=1024, num_lambda_features=8.
 Hrf = _rf_kind(
     "hrf", "hrf-angular", "Hybrid random features (not positive; the denominator is floored).",
     {"lambda_": "angular", "num_lambda_features": 1, "clusters": 2}, _hrf_mechanism)

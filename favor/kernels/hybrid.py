@@ -19,6 +19,15 @@ Any λ̂ = a + ρ_q(x)ᵀρ_k(y) linearises through tensor products (HRF Lemma 2
     φ_k = [√a φ₊(y), ρ_k(y)⊗φ₊(y), √(1−a) φ_t(y),  ρ_k(y)⊗φ_t(y)]
 so φ_q ≠ φ_k and the features are NOT positive (`positive = False`): the attention normaliser must
 guard the sign of its denominator. `num_features` is m, the frequencies of each base estimator.
+
+hrf-angular uses an equal linearisation without that form's cancellation: λ̂ = (1/n) Σ_j [s_j(x) ≠ s_j(y)]
+with s_j = sgn(τ_jᵀ·), so with indicators P_j = [s_j > 0], N_j = [s_j < 0],
+    λ̂ = (1/n) Σ_j (P_j(x)N_j(y) + N_j(x)P_j(y)),   1 − λ̂ = (1/n) Σ_j (P_j(x)P_j(y) + N_j(x)N_j(y)),
+    φ_q = [P⊗φ₊, N⊗φ₊, P⊗φ_t, N⊗φ_t](x)/√n,   φ_k = [N⊗φ₊, P⊗φ₊, P⊗φ_t, N⊗φ_t](y)/√n:
+every λ-weight is an exact 0 or 1/n, so nothing cancels but the trig estimator's own signs. (Lemma 2.3's
+a + ρᵀρ sums ½ and ±½ per pair: where λ̂ = 1 its (1 − λ̂)·Ŝ_trig is a difference of two equal float32
+sums of |Ŝ_trig|, noise ~1e-7 of a quantity up to 1e11 times the true denominator at ‖x‖ ≈ 2.) Width
+8·n·m: 4m(n + 1) at n = 1, the default.
 """
 
 from __future__ import annotations
@@ -69,6 +78,19 @@ def _trig_block(u, w):
     m = w.omega.shape[-2]
     la, sg = _log_abs_sign(sin_cos_features(proj))
     return la + 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(m), sg
+
+
+def _base_blocks(u, w):
+    """(log-scale [..., L, 1], antithetic positive values [..., L, 2m], trig values [..., L, 2m]): both base
+    estimators' features as e^scale · values with |values| ≤ 1, the scale the larger of the two blocks'
+    (the positive block normalised by its row maximum, the trig block by its norm factor). A block far
+    below the other underflows to 0: below the float32 rounding of the other's terms."""
+    lp = _positive_block(u, w.pos)
+    scale_p = jax.lax.stop_gradient(jnp.max(lp, -1, keepdims=True))
+    vt = sin_cos_features(u @ jnp.swapaxes(w.trig.omega, -1, -2))
+    scale_t = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.trig.omega.shape[-2])
+    scale = jax.lax.stop_gradient(jnp.maximum(scale_p, scale_t))
+    return scale, jnp.exp(lp - scale), vt * jnp.exp(scale_t - scale)   # ≤ 1: scale ≥ each block's maximum
 
 
 def _lemma22_log_mse(x, y):
@@ -145,20 +167,11 @@ class Hybrid(_HybridBase):
         return (2 * num_features) * (r + 1 + (1 if self.a > 0 else 0)) + 2 * num_features * r
 
     def _features(self, u, w, params, side):
-        """(log-scale [..., L, 1], values [..., L, F]) with |values| ≤ 1 (base.py's second form): each base
-        block as e^{its row scale} · bounded values (the positive block normalised by its row maximum, the
-        trig block by its norm factor), both brought to the larger scale, and the ρ⊗ blocks formed by
-        multiplying values, so no exp or log touches the [L, F] features. (A block far below the other
-        underflows to 0: below the float32 rounding of the other's terms, which the estimate adds.)"""
+        """(log-scale [..., L, 1], values [..., L, F]) with |values| ≤ 1 (base.py's second form): the base
+        blocks (`_base_blocks`) and the ρ⊗ blocks formed by multiplying values, so no exp or log touches
+        the [L, F] features."""
         u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
-        lp = _positive_block(u, w.pos)
-        scale_p = jax.lax.stop_gradient(jnp.max(lp, -1, keepdims=True))
-        proj = u @ jnp.swapaxes(w.trig.omega, -1, -2)
-        vt = sin_cos_features(proj)
-        scale_t = 0.5 * jnp.sum(u * u, -1, keepdims=True) - 0.5 * math.log(w.trig.omega.shape[-2])
-        scale = jax.lax.stop_gradient(jnp.maximum(scale_p, scale_t))
-        vp = jnp.exp(lp - scale)                                   # ≤ 1: scale ≥ the block's maximum
-        vt = vt * jnp.exp(scale_t - scale)
+        scale, vp, vt = _base_blocks(u, w)
         lr, sr = self._rho(u, w, side)
         rho = sr * jnp.exp(lr)                                      # |ρ| ≤ 1
         outer = lambda r, f: (r[..., :, None] * f[..., None, :]).reshape(*f.shape[:-1], -1)
@@ -191,6 +204,22 @@ class HybridAngular(Hybrid):
         s = jnp.where(s == 0, 1.0, s)
         la = jnp.full_like(s, -0.5 * math.log(2 * self.n))
         return la, (-s if side == "q" else s)
+
+    def feature_dim(self, num_features):
+        return 8 * self.n * num_features
+
+    def _features(self, u, w, params, side):
+        """The indicator linearisation (module docstring): (log-scale [..., L, 1], values [..., L, 8nm]),
+        |values| ≤ 1, base blocks as in Hybrid._features."""
+        u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
+        scale, vp, vt = _base_blocks(u, w)
+        s = u @ jnp.swapaxes(w.lam.omega, -1, -2)                 # [..., L, n]; sgn 0 counts as +
+        pos = (s >= 0).astype(jnp.float32)
+        neg = 1.0 - pos
+        lam_side = jnp.concatenate([pos, neg] if side == "q" else [neg, pos], -1) / math.sqrt(self.n)
+        trig_side = jnp.concatenate([pos, neg], -1) / math.sqrt(self.n)
+        outer = lambda r, f: (r[..., :, None] * f[..., None, :]).reshape(*f.shape[:-1], -1)
+        return scale, jnp.concatenate([outer(lam_side, vp), outer(trig_side, vt)], -1)
 
     def _lambda_moments(self, x, y, params):
         nx = jnp.linalg.norm(x, axis=-1)[..., :, None]
