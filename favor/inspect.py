@@ -16,7 +16,8 @@ values. Then, per layer and head, on those same q, k, v:
 
 A kind is `kind[:variant][@window]`: `favor#:saderf`, `hrf:gaussian`, `favor+@16` (favor+ with a local
 window of 16). Options not given come from the run's attention block (coupling, ...); every random-
-feature kind draws its own ω per layer from `--seed`.
+feature kind draws its own ω per layer from `--seed`, except the run's own kind on a run that keeps one
+draw (redraw "fixed"): its figures use the ω the run's layers store, the one it trained and evaluates with.
 """
 
 from __future__ import annotations
@@ -123,17 +124,18 @@ def _relative_variance(attn, q, k, mask, ctx):
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _kind_figures(attn, causal, q, k, v, mask, key):
+def _kind_figures(attn, causal, q, k, v, mask, key, own_draw=None):
     """(squared error against exact softmax per token and head [B, L, H], relative variance per head or
     None, (denominator ≤ 0, below the floor) per token and head [B, L, H] or None). Softmax is computed
-    in the same program, so the softmax kind's own error is exactly 0."""
+    in the same program, so the softmax kind's own error is exactly 0. `own_draw`: the layer's stored ω,
+    used for the run's own kind when the run keeps one draw (its model never saw another)."""
     exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=causal)
     rv = rows = None
     if isinstance(attn, attention_lib.RandomFeatureAttention):
         stats = None
         if causal and attn.data_dependent:
             stats = attn.statistics(q, k, mask, mask)        # a diagnostic: fitted on the batch itself
-        draw = attn.base_draw(key, q.shape[-1])
+        draw = attn.base_draw(key, q.shape[-1]) if own_draw is None else own_draw
         out = attn(q, k, v, mask=mask, causal=causal, draw=draw, query_mask=mask, stats=stats)
         ctx = attn.context(q, k, mask, None, None, mask, draw, stats, causal)
         rv = _relative_variance(attn, q, k, mask, ctx)
@@ -156,6 +158,11 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
         ms = num_features if isinstance(attention_lib.get(parse_kind(spec)[0]), attention_lib.RandomFeatureAttention) \
             else (None,)
         built += [_build(spec, m, run_block) for m in ms]
+    # the run's own kind, as it ran, on a run that keeps one draw: figures on the ω its layers store
+    own = {label for label, attn in built if isinstance(attn, attention_lib.RandomFeatureAttention)
+           and not attn.schedule.redraws and configlib.redraw_of(run_block) == "fixed"
+           and attn.name == run_block["kind"] and attn.num_features == run_block.get("num_features")
+           and attn.options == _build(run_block["kind"], None, run_block)[1].options}
     heads = layers[0][1].heads
     zeros = lambda: np.zeros((len(layers), heads))
     err2 = {label: zeros() for label, _ in built}
@@ -190,7 +197,8 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
             count[li] += np.sum(w)
             key = jax.random.fold_in(jax.random.fold_in(base, li), seen)
             for label, attn in built:
-                diff, rv, rows = _kind_figures(attn, layer.causal, q, k, v, mask, key)
+                stored = layer.features.get_value() if label in own and layer.features is not None else None
+                diff, rv, rows = _kind_figures(attn, layer.causal, q, k, v, mask, key, stored)
                 err2[label][li] += np.sum(np.asarray(diff, np.float64) * w, (0, 1))
                 if rows is not None:
                     nonpositive[label][li] += np.sum(np.asarray(rows[0], np.float64) * w, (0, 1))
@@ -204,6 +212,7 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
     if not seen:
         raise ValueError(f"{workdir}: the evaluation split gave no batch")
     result = {"workdir": str(workdir), "batches": seen, "layers": len(layers), "heads": heads,
+              "own_draw": sorted(own),
               "query_norm": (nq / np.maximum(count, 1)).tolist(), "key_norm": (nk / np.maximum(count, 1)).tolist(),
               "query_norm_max": mq.tolist(), "key_norm_max": mk.tolist(), "kinds": {}}
     for label, _ in built:

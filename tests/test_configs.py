@@ -90,9 +90,8 @@ def test_each_kind_is_built_as_it_names_itself(config_file, kind):
     if isinstance(attn, attention.RandomFeatureAttention):
         assert attn.mech.name == EXPECTED_MECHANISM[kind]
         assert attn.coupling == ("simplex" if kind == "simrf" else "orthogonal")
-        # and each kind's own redraw schedule (the sign-indefinite kinds keep one draw)
-        assert str(attn.schedule) == configlib.redraw_of(config.model.attention) == \
-            ("fixed" if kind in ("favor", "hrf") else "step")
+        # and each kind's own redraw schedule (every random-feature kind: a fresh ω each step)
+        assert str(attn.schedule) == configlib.redraw_of(config.model.attention) == "step"
 
 
 def test_a_coupling_the_user_asks_for_is_kept():
