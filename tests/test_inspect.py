@@ -22,6 +22,7 @@ def test_softmax_is_exact_and_favor_plus_error_falls_with_features(run):
                                    log=print)
     kinds = result["kinds"]
     assert set(kinds) == {"softmax", "favor+ (F=2)", "favor+ (F=64)", "favor+ (F=2048)"}
+    assert result["own_draw"] == []              # a run that redraws: every kind gets inspect's own draw
     shape = (result["layers"], result["heads"])
     assert np.asarray(kinds["softmax"]["relative_error"]).shape == shape
     np.testing.assert_array_equal(kinds["softmax"]["relative_error"], 0.0)
@@ -89,3 +90,19 @@ def test_sign_indefinite_kinds_train_without_nonpositive_denominators(kind, tmp_
     np.testing.assert_array_equal(nonpositive, 0.0)
     assert np.all((below >= 0) & (below <= 1))
     assert "nonpositive_fraction" not in next(v for k, v in result["kinds"].items() if k.startswith("favor+"))
+
+
+def test_a_fixed_draw_run_is_inspected_on_its_stored_draw(tmp_path):
+    """On a run that keeps one ω (redraw="fixed") the run's own kind is inspected with the ω its layers
+    store, the one it trained and evaluates with: its figures do not depend on inspect's --seed, while
+    another kind's (a fresh draw) do."""
+    config = tiny(**{"model.attention.kind": "favor", "model.attention.redraw": "fixed", "total_steps": 16,
+                     "eval_every": 16, "checkpoint_every": 16})
+    trainer.run(config, tmp_path / "run")
+    a, b = (favor_inspect.inspect(tmp_path / "run", kinds=("favor", "favor+"), batches=1, seed=s, log=print)
+            for s in (0, 1))
+    assert a["own_draw"] == ["favor (F=16)"]
+    np.testing.assert_array_equal(a["kinds"]["favor (F=16)"]["relative_error"],
+                                  b["kinds"]["favor (F=16)"]["relative_error"])
+    assert not np.array_equal(a["kinds"]["favor+ (F=16)"]["relative_error"],
+                              b["kinds"]["favor+ (F=16)"]["relative_error"])
