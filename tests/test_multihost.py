@@ -56,3 +56,22 @@ def test_hosts_with_different_widths_are_padded_to_the_widest(monkeypatch):
     assert out["features"].shape == (2, 9, 3) and out["labels"].shape == (2, 6) and out["valid"].shape == (2,)
     assert out["features"][:, 5:].sum() == 0 and out["features"][:, :5].sum() == 30
     assert out["labels"][:, 4:].sum() == 0
+
+
+def test_imports_leave_the_backend_alone():
+    """jax.distributed.initialize must run before any JAX computation: importing favor's modules and
+    parsing every config (what train.py does before it) may not start a backend, not even for a constant."""
+    code = ("import importlib, pkgutil, sys\n"
+            "import jax._src.xla_bridge as xb\n"
+            "import favor\n"
+            "names = [m.name for m in pkgutil.walk_packages(favor.__path__, 'favor.')]\n"
+            "names = [n for n in names if not n.endswith('__main__')]\n"
+            "for n in names: importlib.import_module(n)\n"
+            "sys.path.insert(0, '.')\n"
+            "import configs.default as d\n"
+            "d.get_config(''); d.get_config('runlocal')\n"
+            "print(len(names), xb.backends_are_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, initialised = out.stdout.split()
+    assert int(count) > 20 and initialised == "False", out.stdout

@@ -27,6 +27,7 @@ stabilisers included (see `causal`). Sequence sums and carried states accumulate
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -79,7 +80,7 @@ def _ones_column(v):
 # The least bound, on a row's own scale, that floored_ratio divides by: every stabilised term is ≤ 1, so
 # the numerator is below L·F·max|v| and its quotient stays finite in float32 (an inf there would turn a
 # zero cotangent into NaN in the backward pass)
-MIN_BOUND = float(jnp.exp(-40.0))
+MIN_BOUND = math.exp(-40.0)
 
 
 def _ratio(out, positive, scale=None, floor=None):
