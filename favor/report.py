@@ -317,7 +317,7 @@ def markdown(rep: dict) -> str:
              "|" + "---|" * (len(short) + 8)]
     for r in rep["rows"]:
         best = "–" if r["best"] is None else f"{_fmt(r['best'])} ({r['best_step']})"
-        cells = [r["name"], *(_fmt(r["settings"][k]) for k in keys), r["status"], _fmt(r["final"]), best,
+        cells = [r["name"], *(_value(r["settings"][k]) for k in keys), r["status"], _fmt(r["final"]), best,
                  _fmt(r["train_loss"]), _fmt(r["steps_per_second"], 3), _fmt_time(r["wall_seconds"]),
                  "–" if r["num_params"] is None else f"{r['num_params']:,}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -328,7 +328,7 @@ def markdown(rep: dict) -> str:
                   f"runs | final {metric} | best {metric} | train loss | steps/s |",
                   "|" + "---|" * (len(setting_keys) + 5)]
         for g in rep["groups"]:
-            cells = [*(_fmt(g["settings"][k]) for k in setting_keys), f"{g['finished']}/{g['runs']}",
+            cells = [*(_value(g["settings"][k]) for k in setting_keys), f"{g['finished']}/{g['runs']}",
                      _pm(g["final"]), _pm(g["best"]), _pm(g["train_loss"]), _pm(g["steps_per_second"], 3)]
             lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in rep["rows"] if r["status"].startswith("failed")]
@@ -341,23 +341,46 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _value(x) -> str:
+    """A setting's value as the run names show it (an empty override is "none", the key's default)."""
+    return "none" if x == "" else _fmt(x)
+
+
+def _setting_label(setting: dict) -> str:
+    keys = list(setting)
+    return " ".join(f"{short}={_value(setting[k])}" for short, k in zip(_short(keys), keys)) or "base"
+
+
 def plot(runs, rep: dict, out: Path, title: str = "") -> None:
     """Eval metric against step and against the run's wall-clock seconds, one line per run; runs of one
-    setting share a colour, seeds differ by line style."""
+    setting share a colour, seeds differ by line style. With seeds, the legend names settings (one entry
+    each, not one per run: a 3-seed ablation has dozens of runs) and a third panel gives each setting's
+    final metric as mean ± sd, sorted, which is what the comparison is read from."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     metric = rep["metric"]
     groups = seed_groups(runs, rep["keys"])
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2 + 0.16 * min(len(runs), 24)), layout="constrained")
+    seeded = bool(rep["groups"])
+    entries = len(groups) if seeded else len(runs)
+    if seeded:
+        fig, axes = plt.subplots(1, 3, figsize=(19, 5.2 + 0.16 * min(entries, 24)), layout="constrained",
+                                 width_ratios=[1, 1, 0.9])
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5.2 + 0.16 * min(entries, 24)), layout="constrained")
     colours = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
     styles = ["-", "--", ":", "-."]
-    for gi, (_, members) in enumerate(groups):
+    colour_of = {}
+    for gi, (setting, members) in enumerate(groups):
+        colour_of[json.dumps(setting, sort_keys=True, default=str)] = colours(gi % colours.N)
         for si, r in enumerate(members):
             points = curve(r, metric)
             if not points:
                 continue
-            label = r.name + ("" if r.status == "finished" else f" [{r.status}]")
+            if seeded:
+                label = _setting_label(setting) if si == 0 else None
+            else:
+                label = r.name + ("" if r.status == "finished" else f" [{r.status}]")
             style = dict(color=colours(gi % colours.N), linestyle=styles[si % len(styles)], marker="o", ms=3)
             axes[0].plot([p[0] for p in points], [p[2] for p in points], label=label, **style)
             timed = [p for p in points if p[1] is not None]
@@ -369,15 +392,33 @@ def plot(runs, rep: dict, out: Path, title: str = "") -> None:
     if times and max(times) > 20 * min(times):       # one slow kind would squeeze every other curve
         axes[1].set_xscale("log")
         axes[1].set_xlabel("wall-clock time of the run (s, evaluation included; log scale)")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_ylabel(f"eval {metric}")
         ax.grid(alpha=0.3)
     better = "lower" if rep["lower_is_better"] else "higher"
     axes[0].set_title(f"eval {metric} vs step ({better} is better)")
     axes[1].set_title(f"eval {metric} vs time")
-    # below both panels: with a dozen runs a legend inside would cover the curves
+    if seeded:
+        done = [g for g in rep["groups"] if g["final"][0] is not None]       # already sorted, best first
+        ys = list(range(len(done)))[::-1]
+        for y, g in zip(ys, done):
+            mean, sd, n = g["final"]
+            axes[2].barh(y, mean, xerr=sd or 0.0, capsize=3,
+                         color=colour_of[json.dumps(g["settings"], sort_keys=True, default=str)])
+            axes[2].text(mean + (sd or 0.0), y, f" {mean:.3g}" + (f" ± {sd:.2g}" if sd else "") + f" (n={n})",
+                         va="center", fontsize=8)
+        axes[2].set_yticks(ys, [_setting_label(g["settings"]) for g in done], fontsize=8)
+        axes[2].set_xlabel(f"final eval {metric} (mean ± sd over seeds; {better} is better)")
+        axes[2].set_title(f"final {metric} per setting")
+        axes[2].grid(alpha=0.3, axis="x")
+        if done:
+            lo = min(g["final"][0] - (g["final"][1] or 0) for g in done)
+            hi = max(g["final"][0] + (g["final"][1] or 0) for g in done)
+            axes[2].set_xlim(max(0.0, lo - 0.05 * (hi - lo)) if lo >= 0 else lo, hi + 0.3 * (hi - lo or 1))
+    # below the panels: with a dozen runs a legend inside would cover the curves
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", fontsize=8, ncol=max(1, min(4, (len(labels) + 5) // 6)))
+    fig.legend(handles, labels, loc="outside lower center", fontsize=8, ncol=max(1, min(4, (len(labels) + 5) // 6)),
+               title="line style: seed" if seeded else None, title_fontsize=8)
     if title:
         fig.suptitle(title)
     out.parent.mkdir(parents=True, exist_ok=True)
