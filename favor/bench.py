@@ -4,7 +4,9 @@
 `python -m favor.bench ratios [--length 8192] [--rounds 15] [--targets long|kinds|...]` (speed targets, timed
 round-robin) and
 `python -m favor.bench uptrain [--config configs/default.py]` (every kind started from a softmax run:
-favor/bench_uptrain.py).
+favor/bench_uptrain.py) and
+`python -m favor.bench peers [--lengths 128,1024] [--modes bidirectional,causal]` (FAVOR+ against
+performer-pytorch, round-robin: favor/bench_peers.py; needs the `bench` extra).
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not): to exact softmax attention, and to a plain matmul
@@ -35,7 +37,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from favor import attention, runtime
+from favor import attention, bench_peers, runtime
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 B, H, D, M = 1, 4, 64, 256
@@ -499,6 +501,17 @@ def write_steps(times, config_spec, rounds, out_dir, argv, reference="favor+", t
     return rows
 
 
+def _ints(parser, flag, text):
+    """A comma-separated list of positive integers, or the parser's error naming the flag and the value."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"{flag} {text!r}: expected positive integers separated by commas")
+    return values
+
+
 def main(argv=None):
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -539,9 +552,40 @@ def main(argv=None):
     st.add_argument("--rounds", type=int, default=30)
     st.add_argument("--out", default=".")
     st.add_argument("--section", default="train-steps")
+    pe = sub.add_parser("peers", help="favor's FAVOR+ against performer-pytorch, round-robin (the bench extra)")
+    pe.add_argument("--lengths", default=",".join(map(str, bench_peers.LENGTHS)))
+    pe.add_argument("--modes", default=",".join(bench_peers.MODES))
+    pe.add_argument("--rounds", type=int, default=15)
+    pe.add_argument("--out", default=".")
+    pe.add_argument("--section", default="peers")
     from favor import bench_uptrain
     bench_uptrain.add_parser(sub)
     args = parser.parse_args(argv_main)
+    if args.what == "peers":
+        lengths = _ints(parser, "--lengths", args.lengths)
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in bench_peers.MODES]
+        if bad or not modes:
+            parser.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; valid: {', '.join(bench_peers.MODES)}")
+        if args.rounds < 1:
+            parser.error(f"--rounds {args.rounds}: must be at least 1")
+        runtime.keep_host_pages()
+        times = bench_peers.peers(lengths, modes, args.rounds)
+        table = bench_peers.rows(times)
+        import performer_pytorch
+        import torch
+        meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+                "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                "peer_version": getattr(performer_pytorch, "__version__", "1.1.4"), "rounds": args.rounds,
+                "command": "python -m favor.bench " + " ".join(argv), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        replace_section(args.out, args.section, bench_peers.markdown(table, meta, args.section))
+        (Path(args.out) / "bench").mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench" / f"{args.section}.json").write_text(json.dumps(
+            {"meta": meta, "rows": table, "times": {"/".join(map(str, k)): v for k, v in times.items()}}, indent=1))
+        for r in table:
+            print(f"L={r['length']:>5} {r['mode']:>13} {r['pass']:>7}: favor {r['favor_ms']:8.2f} ms, "
+                  f"peer {r['peer_ms']:8.2f} ms, favor/peer {r['median_ratio']:.2f}")
+        return
     if args.what == "uptrain":
         bench_uptrain.main(args, flags, argv)
         return

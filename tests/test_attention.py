@@ -2,6 +2,8 @@
 (tests/reference.py: shares only ω and the fitted parameters), with the invariants no correct
 attention can break, at hard inputs (norms up to 10·√D, bf16, padding, L = 1), outputs and gradients."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -695,3 +697,37 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
     tiny = jnp.full((1, 1, 4, 2), 1e-19)
     assert not bool(linear.plain_features_safe(tiny, tiny))
     assert bool(linear.plain_features_safe(jnp.ones_like(tiny), tiny, jnp.zeros((1, 4), bool)))   # keys padded
+
+
+@pytest.mark.parametrize("kind", RF_KINDS)
+def test_a_fixed_draw_is_made_once_and_is_the_seeds_draw(kind):
+    """redraw='fixed' (and evaluation, rng None) uses the seed's draw: the same outputs as drawing from
+    that key in the call (redraw='step' with rng = the seed's key), but inside a jitted function the draw
+    is a constant of the program, not random bits and an orthogonal QR computed in every call."""
+    q, k, v = qkv(lq=11, lk=11)
+    fixed = make(kind, redraw="fixed", seed=3)
+    per_call = make(kind, redraw="step")(q, k, v, rng=jax.random.PRNGKey(3))
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda q, k, v: fixed(q, k, v))(q, k, v)),
+                               np.asarray(per_call), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(fixed(q, k, v)), np.asarray(per_call), rtol=1e-5, atol=1e-6)
+    for cached in jax.tree.leaves(fixed._fixed_draws):
+        assert not isinstance(cached, jax.core.Tracer)
+    drawing = {"random_bits", "threefry2x32", "random_wrap", "qr", "geqrf", "householder_product"}
+    primitives = lambda f, *a: set(re.findall(r"= ([a-z_0-9]+)\b", str(jax.make_jaxpr(f)(*a))))
+    assert not primitives(lambda q, k, v: fixed(q, k, v), q, k, v) & drawing
+    step = make(kind, redraw="step")
+    assert primitives(lambda q, k, v, r: step(q, k, v, rng=r), q, k, v, jax.random.PRNGKey(0)) & drawing
+
+
+def test_a_single_chunk_takes_the_whole_array_program():
+    """Keys and queries within one chunk: no scan, no rematerialisation in the program, and the same
+    outputs and gradients as the chunked pass."""
+    q, k, v = qkv(lq=24, lk=24)
+    whole, chunked = make("favor+", chunk_size=32, redraw="fixed"), make("favor+", chunk_size=8, redraw="fixed")
+    loss = lambda attn: lambda q, k, v: jnp.sum(attn(q, k, v) ** 2)
+    program = str(jax.make_jaxpr(loss(whole))(q, k, v))
+    assert "scan" not in program and "remat" not in program and "checkpoint" not in program
+    assert "scan" in str(jax.make_jaxpr(loss(chunked))(q, k, v))
+    np.testing.assert_allclose(whole(q, k, v), chunked(q, k, v), rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.grad(loss(whole), (0, 1, 2))(q, k, v), jax.grad(loss(chunked), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -93,3 +93,34 @@ def test_bench_steps_times_every_kinds_training_step(tmp_path):
     assert "| favor |" in md and "time / favor+'s" in md
     with pytest.raises(SystemExit):
         bench.main(["steps", "--kinds", "performer"])
+
+
+def test_bench_peers_times_favor_against_performer_pytorch(tmp_path):
+    """Both sides of the harness compute the same attention (each close to exact softmax on the shared
+    inputs, so the comparison is like for like), every program is timed every round, and the table and
+    JSON are written; bad arguments are one parser error."""
+    import numpy as np
+    from favor import bench_peers
+    q, k, v = bench_peers.inputs(64)
+    logits = np.einsum("blhd,bmhd->bhlm", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
+    for causal in (False, True):
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        if causal:
+            w = np.tril(w)
+        exact = np.einsum("bhlm,bmhd->bhld", w / w.sum(-1, keepdims=True), v.astype(np.float64))
+        favor_fwd, _ = bench_peers.favor_programs(64, causal, (q, k, v))
+        peer_fwd, _ = bench_peers.peer_programs(64, causal, (q, k, v))
+        errors = [np.linalg.norm(out - exact) / np.linalg.norm(exact)
+                  for out in (np.moveaxis(np.asarray(favor_fwd()), 1, 2), peer_fwd().numpy())]
+        # M = 256 FAVOR+ estimates on both sides: errors of one size (0.24 causal, 0.35 bidirectional,
+        # where the near-uniform weights leave a small output), while the causal mean of all values is 0.9 off
+        assert max(errors) < 0.5 and max(errors) < 2 * min(errors), errors
+    bench.main(["peers", "--lengths", "32", "--rounds", "2", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench" / "peers.json").read_text())
+    assert len(data["rows"]) == 2 * 2 and all(len(t) == 2 for t in data["times"].values())
+    assert all(r["favor_ms"] > 0 and r["peer_ms"] > 0 for r in data["rows"])
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| 32 | causal |" in md and "performer-pytorch" in md
+    for argv in (["peers", "--modes", "sideways"], ["peers", "--lengths", "0"], ["peers", "--lengths", "x"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)

@@ -311,6 +311,7 @@ class RandomFeatureAttention(FeatureAttention):
         # one feature budget for every kind: num_features is the width F of the feature arrays (what the
         # [L, F] passes and the state cost); the mechanism's own count is derived from it
         self.num_draws = self.mech.draws_for_width(self.num_features)
+        self._fixed_draws = {}                      # head dim -> the seed's base draw (`fixed_draw`)
 
     def feature_dim(self, dim):
         return self.mech.feature_dim(self.num_draws)
@@ -379,9 +380,24 @@ class RandomFeatureAttention(FeatureAttention):
             if not self.fit_gradients:
                 x, y = jax.lax.stop_gradient(x), jax.lax.stop_gradient(y)
             params = self._params(x, y, mask, query_mask, stats, causal)
-        return RandomFeatureContext(params=params, draw=self._draw(params, rng, step, draw))
+        return RandomFeatureContext(params=params, draw=self._draw(params, rng, step, draw, q.shape[-1]))
 
-    def _draw(self, params, rng, step, draw):
+    def fixed_draw(self, dim):
+        """The base draw of the seed (what 'fixed' and evaluation use) for head dim `dim`, made once per
+        instance and dim as concrete arrays: inside a jitted function it is a constant of the program,
+        not a draw (an orthogonal QR among them) redone in every call. None for a mechanism whose draw
+        depends on the fitted parameters (no base draw)."""
+        if dim not in self._fixed_draws:
+            try:
+                with jax.ensure_compile_time_eval():     # concrete even while a caller is being traced
+                    self._fixed_draws[dim] = self.base_draw(jax.random.PRNGKey(self.seed), dim)
+            except NotImplementedError:
+                self._fixed_draws[dim] = None
+        return self._fixed_draws[dim]
+
+    def _draw(self, params, rng, step, draw, dim):
+        if draw is None and (not self.schedule.redraws or rng is None):
+            draw = self.fixed_draw(dim)
         if draw is None:
             return self.mech.draw(self.draw_key(rng, step), self.num_draws, params, self.coupling)
         return self.mech.adapt_draw(draw, params)
@@ -444,7 +460,7 @@ class RandomFeatureAttention(FeatureAttention):
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
         zeros = jnp.zeros((1, 1, 1, dim), jnp.float32)
         params = self._params(zeros, zeros, None, None, stats, causal=True)
-        return RandomFeatureContext(params=params, draw=self._draw(params, rng, step, draw))
+        return RandomFeatureContext(params=params, draw=self._draw(params, rng, step, draw, dim))
 
     def inputs(self, q, k):
         return self.scaled(q, k)

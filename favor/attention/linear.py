@@ -273,10 +273,10 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
             out = jnp.einsum("bhlf,bhdf->bhld", _with_sign(jnp.exp(lqt - scale), sq), total)
         return _ratio(out, positive, scale[..., 0], floor_c)
 
-    if chunk_size is None:
-        # the whole-array program: one step, no scan, no rematerialisation (ReLU/ELU, whose maps are too
-        # cheap for chunks to pay: their fwd+bwd at L = 8192 took 1.3–1.7× as long as one scan step
-        # under jax.checkpoint)
+    if chunk_size is None or (c == _length(y) and chunk_size >= _length(x)):
+        # the whole-array program: one step, no scan, no rematerialisation. For ReLU/ELU at any length
+        # (maps too cheap for chunks to pay: BENCHMARKS), and for every kind whose keys and queries fit in
+        # one chunk, where a scan of one step and a map of one chunk only add the checkpoint's recompute
         (tau, total), _ = key_step(init, jax.tree.map(lambda a: a[0], (ys, v1s, valids)))   # None stays None
         return query_chunk(tau, total, x, None if floor is None else floor.log)
     # under jax.checkpoint the backward pass makes each chunk's features again, in cache, instead of

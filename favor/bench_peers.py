@@ -1,0 +1,125 @@
+"""favor's FAVOR+ against the public Performer in one round-robin harness (`python -m favor.bench peers`).
+
+The peer is performer-pytorch's `FastAttention` (PyPI; the optional `bench` extra, never a dependency of
+the library), FAVOR+ with its own projection matrix, on torch CPU with as many threads as cores. favor runs
+FAVOR+ with a fixed draw (made once, as the peer keeps its matrix), jitted. Both get the same inputs
+(B = 1, H = 4, D = 64, M = 256, q, k, v ~ N(0, 0.25)); each (length, mode, pass) is one program per
+implementation, and every round runs every program once in a fresh random order, so load on a shared
+machine falls on all alike. Figures: the minimum over rounds, and the median of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from favor import attention
+
+B, H, D, M = 1, 4, 64, 256
+LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
+MODES = ("bidirectional", "causal")
+
+
+def _torch():
+    try:
+        import torch
+        from performer_pytorch import FastAttention
+    except ImportError as e:
+        raise SystemExit(f"bench peers needs performer-pytorch and torch ({e}); "
+                         "install them with: pip install -e '.[bench]'") from None
+    return torch, FastAttention
+
+
+def inputs(length, seed=0):
+    """q, k, v [B, L, H, D] float32 ~ N(0, 0.25), as numpy (each side makes its own arrays from them)."""
+    rng = np.random.default_rng(seed)
+    return tuple(0.5 * rng.standard_normal((B, length, H, D)).astype(np.float32) for _ in range(3))
+
+
+def favor_programs(length, causal, qkv):
+    """(forward, forward+backward) of favor's FAVOR+, compiled, with their arguments."""
+    attn = attention.get("favor+", num_features=M, redraw="fixed")
+    args = tuple(jnp.asarray(a) for a in qkv)
+    fwd = jax.jit(lambda q, k, v: attn(q, k, v, causal=causal))
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, causal=causal)), argnums=(0, 1, 2)))
+    return (lambda: jax.block_until_ready(fwd(*args))), (lambda: jax.block_until_ready(grad(*args)))
+
+
+def peer_programs(length, causal, qkv):
+    """(forward, forward+backward) of performer-pytorch's FastAttention on the same inputs."""
+    torch, FastAttention = _torch()
+    torch.manual_seed(0)
+    attn = FastAttention(dim_heads=D, nb_features=M, causal=causal)
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1, 3))) for a in qkv)   # [B, H, L, D]
+
+    def fwd():
+        with torch.no_grad():
+            return attn(q, k, v)
+
+    def grad():
+        args = [a.clone().requires_grad_(True) for a in (q, k, v)]
+        attn(*args).sum().backward()
+        return [a.grad for a in args]
+    return fwd, grad
+
+
+def peers(lengths, modes, rounds, seed=0):
+    """{(length, mode, pass, side): [seconds per round]} for side in ("favor", "peer"), pass in
+    ("fwd", "fwd+bwd"): every program once per round, in a fresh random order each round."""
+    torch, _ = _torch()
+    torch.set_num_threads(os.cpu_count() or 1)
+    programs = {}
+    for length in lengths:
+        qkv = inputs(length, seed)
+        for mode in modes:
+            causal = mode == "causal"
+            for side, make in (("favor", favor_programs), ("peer", peer_programs)):
+                fwd, grad = make(length, causal, qkv)
+                programs[(length, mode, "fwd", side)] = fwd
+                programs[(length, mode, "fwd+bwd", side)] = grad
+    for fn in programs.values():          # compile and warm
+        fn()
+        fn()
+    times = {key: [] for key in programs}
+    order, rnd = list(programs), random.Random(seed)
+    for _ in range(rounds):
+        rnd.shuffle(order)
+        for key in order:
+            t0 = time.perf_counter()
+            programs[key]()
+            times[key].append(time.perf_counter() - t0)
+    return times
+
+
+def rows(times):
+    """One row per (length, mode, pass): the minima in ms and favor's time over the peer's."""
+    out = []
+    for length, mode, pas in dict.fromkeys(key[:3] for key in times):
+        f, p = times[(length, mode, pas, "favor")], times[(length, mode, pas, "peer")]
+        out.append({"length": length, "mode": mode, "pass": pas, "favor_ms": min(f) * 1e3, "peer_ms": min(p) * 1e3,
+                    "ratio_of_minima": min(f) / min(p),
+                    "median_ratio": statistics.median(a / b for a, b in zip(f, p))})
+    return out
+
+
+def markdown(table, meta, section):
+    """The BENCHMARKS.md section: one line per length and mode, fwd and fwd+bwd side by side."""
+    lines = ["| L | mode | favor fwd (ms) | peer fwd (ms) | favor / peer | favor fwd+bwd (ms) | peer fwd+bwd (ms) | "
+             "favor / peer |", "|---|---|---|---|---|---|---|---|"]
+    by = {(r["length"], r["mode"], r["pass"]): r for r in table}
+    for length, mode in dict.fromkeys((r["length"], r["mode"]) for r in table):
+        f, g = by[(length, mode, "fwd")], by[(length, mode, "fwd+bwd")]
+        lines.append(f"| {length} | {mode} | {f['favor_ms']:.2f} | {f['peer_ms']:.2f} | {f['median_ratio']:.2f} | "
+                     f"{g['favor_ms']:.2f} | {g['peer_ms']:.2f} | {g['median_ratio']:.2f} |")
+    return (f"## {section} (`{meta['command']}`)\n\n"
+            f"favor's FAVOR+ (fixed draw, jitted) against performer-pytorch {meta['peer_version']} "
+            f"(torch {meta['torch']}, {meta['torch_threads']} threads) on {meta['backend']} ({meta['cpu_count']} "
+            f"cores), jax {meta['jax']}; B = {B}, H = {H}, D = {D}, M = {M}, q, k, v ~ N(0, 0.25). Every program "
+            f"once per round in a random order, {meta['rounds']} rounds; ms are minima, favor / peer the median of "
+            f"per-round ratios (below 1: favor faster). Raw figures: bench/{section}.json.\n\n" + "\n".join(lines))
