@@ -572,12 +572,7 @@ def main(argv=None):
         runtime.keep_host_pages()
         times = bench_peers.peers(lengths, modes, args.rounds)
         table = bench_peers.rows(times)
-        import performer_pytorch
-        import torch
-        meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
-                "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                "peer_version": getattr(performer_pytorch, "__version__", "1.1.4"), "rounds": args.rounds,
-                "command": "python -m favor.bench " + " ".join(argv), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        meta = bench_peers.meta(args.rounds, "python -m favor.bench " + " ".join(argv))
         replace_section(args.out, args.section, bench_peers.markdown(table, meta, args.section))
         (Path(args.out) / "bench").mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench" / f"{args.section}.json").write_text(json.dumps(
@@ -643,7 +638,7 @@ def main(argv=None):
         if k.partition("@")[0].partition(":")[0] not in attention.names():
             parser.error(f"unknown kind {k!r}; valid: {', '.join(attention.names())} (optionally kind:variant, "
                          f"kind@window)")
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = _ints(parser, "--lengths", args.lengths)
     runtime.keep_host_pages()   # for every kind and the yardsticks alike; see favor/runtime.py
     run(kinds, lengths, args.repeats, args.out, lambda rows: write(rows, args.out, argv, args.section))
     print(f"wrote {Path(args.out) / 'BENCHMARKS.md'} and {Path(args.out) / 'bench' / 'attention.json'}")

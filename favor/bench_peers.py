@@ -36,6 +36,16 @@ def _torch():
     return torch, FastAttention
 
 
+def meta(rounds, command):
+    """What a figure of this harness depends on: versions, threads, cores, rounds, the command."""
+    from importlib.metadata import version
+    torch, _ = _torch()
+    return {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "peer_version": version("performer-pytorch"), "rounds": rounds, "command": command,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
 def inputs(length, seed=0):
     """q, k, v [B, L, H, D] float32 ~ N(0, 0.25), as numpy (each side makes its own arrays from them)."""
     rng = np.random.default_rng(seed)

@@ -159,10 +159,11 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
             else (None,)
         built += [_build(spec, m, run_block) for m in ms]
     # the run's own kind, as it ran, on a run that keeps one draw: figures on the ω its layers store
+    as_run = _build(run_block["kind"], None, run_block)[1].options
     own = {label for label, attn in built if isinstance(attn, attention_lib.RandomFeatureAttention)
            and not attn.schedule.redraws and configlib.redraw_of(run_block) == "fixed"
            and attn.name == run_block["kind"] and attn.num_features == run_block.get("num_features")
-           and attn.options == _build(run_block["kind"], None, run_block)[1].options}
+           and attn.options == as_run}
     heads = layers[0][1].heads
     zeros = lambda: np.zeros((len(layers), heads))
     err2 = {label: zeros() for label, _ in built}

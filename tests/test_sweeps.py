@@ -147,13 +147,15 @@ def test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports(tmp_pa
 
 
 # -- favor.report on runs the test writes ----------------------------------------------------------------
-def fake_run(path: Path, *, kind, seed, accuracy, steps=(10, 20), total=20, finished=True, status=None):
+def fake_run(path: Path, *, kind, seed, accuracy, steps=(10, 20), total=20, finished=True, status=None,
+             qk_norm=None):
     """A run directory as train.py leaves it: config.json, TensorBoard eval scalars and (when finished)
     summary.json; `accuracy` is the eval curve, one value per step in `steps`."""
     from clu import metric_writers
     path.mkdir(parents=True)
+    block = {"kind": kind, "num_features": 64, **({} if qk_norm is None else {"qk_norm": qk_norm})}
     (path / "config.json").write_text(json.dumps({"seed": seed, "total_steps": total, "optim": {"lr": 0.01},
-                                                  "model": {"attention": {"kind": kind, "num_features": 64}}}))
+                                                  "model": {"attention": block}}))
     writer = metric_writers.create_default_writer(str(path / "tensorboard"))
     for i, (step, acc) in enumerate(zip(steps, accuracy)):
         writer.write_scalars(step, {"eval/accuracy": acc, "eval/loss": 1.0 - acc, "time/wall_seconds": 5.0 * (i + 1),
@@ -290,3 +292,27 @@ def test_cluster_launchers_run_one_sweep_run_per_array_task_or_the_sweep_on_the_
                            "--config", "configs/default.py"], capture_output=True, text=True, env=env)
     ssh = (tmp_path / "gcloud.args").read_text().split("----\n")[1]
     assert bare.returncode == 0 and ssh.rstrip().endswith("--workdir /mnt/abl -- --multihost"), ssh   # no '' arg
+
+
+def test_report_names_empty_settings_none_and_plots_the_setting_means(tmp_path):
+    """An empty override (a key's default, as in qk_norm="") reads "none" in the tables and the plot's
+    labels, as in the run names; with seeds the plot has a third panel of per-setting means."""
+    for norm, accs in (("", [0.30, 0.40]), ("l2", [0.90, 0.94])):
+        for seed, acc in enumerate(accs):
+            fake_run(tmp_path / f"kind=favor_qk_norm={norm or 'none'}_seed={seed}", kind="favor", seed=seed,
+                     accuracy=[acc / 2, acc], qk_norm=norm)
+    runs = report.collect([tmp_path])
+    rep = report.report(runs)
+    text = report.markdown(rep)
+    assert "| none | 2/2 | 0.35 ± 0.071 |" in text and "| l2 | 2/2 | 0.92 ± 0.028 |" in text
+    assert report._setting_label(rep["groups"][1]["settings"]) == "qk_norm=none"
+    import matplotlib.pyplot as plt
+    saved = []
+    original = plt.Figure.savefig
+    plt.Figure.savefig = lambda fig, *a, **k: (saved.append([ax.get_title() for ax in fig.axes]),
+                                               original(fig, *a, **k))
+    try:
+        report.plot(runs, rep, tmp_path / "plot.png")
+    finally:
+        plt.Figure.savefig = original
+    assert saved[0][2] == "final accuracy per setting" and (tmp_path / "plot.png").stat().st_size > 10_000

@@ -254,3 +254,17 @@ def test_prefetch_keeps_the_order_raises_reader_errors_and_stops():
     assert next(endless) == 0
     endless.close()
     assert not endless.thread.is_alive()
+
+
+@pytest.mark.parametrize("kind, qk_norm, warned", [("favor", "", True), ("hrf", "", True), ("favor", "l2", False),
+                                                   ("favor+", "", False), ("softmax", "", False)])
+def test_sign_indefinite_kinds_without_qk_norm_are_warned(kind, qk_norm, warned, caplog):
+    """trig and HRF without queries and keys on a sphere barely learn: building such a model says so and
+    names the override that fixes it; positive kinds and normalised runs build silently."""
+    config = tiny(**{"model.attention.kind": kind, "model.attention.qk_norm": qk_norm})
+    with caplog.at_level("WARNING", logger="favor.train"):
+        trainer.model_builder(config)
+    said = [r.getMessage() for r in caplog.records if "qk_norm" in r.getMessage()]
+    assert bool(said) == warned, said
+    if warned:
+        assert kind in said[0] and "--config.model.attention.qk_norm=l2" in said[0]

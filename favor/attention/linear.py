@@ -145,8 +145,7 @@ def floored_ratio(out, positive, scale, floor):
     row's scale counts as MIN_BOUND (such a row's estimate is noise e^40 times the size of its bound:
     its output sits at the range's edge, finite, with finite gradients)."""
     num, den = out[..., :-1], out[..., -1]
-    low = below_floor(out, scale, floor)
-    _, bound = _bound(floor, scale)
+    low, bound = _below(out, scale, floor)
     raised = jnp.where(low, jnp.maximum(bound, MIN_BOUND), den)
     num = jnp.where(low[..., None], num + (raised - den)[..., None] * floor.mean, num)
     y = _divide(num, guard(raised, positive))
@@ -157,9 +156,14 @@ def below_floor(out, scale, floor):
     """[..]: which rows' estimated denominators fall below the floor, as `floored_ratio` decides: below
     the bound, or ≤ 0 in a row that sees a key (below any positive bound, also one that underflowed on
     the row's scale)."""
+    return _below(out, scale, floor)[0]
+
+
+def _below(out, scale, floor):
+    """(rows below the floor, the bound on each row's scale)."""
     ok, bound = _bound(floor, scale)
     den = out[..., -1]
-    return ok & ((den < bound) | (den <= 0))
+    return ok & ((den < bound) | (den <= 0)), bound
 
 
 def bidirectional_denominators(lq, sq, lk, sk, valid=None):
