@@ -731,3 +731,35 @@ def test_a_single_chunk_takes_the_whole_array_program():
     np.testing.assert_allclose(whole(q, k, v), chunked(q, k, v), rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.grad(loss(whole), (0, 1, 2))(q, k, v), jax.grad(loss(chunked), (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_passes_inline_into_a_traced_caller_and_compile_when_eager(causal):
+    """Inside a caller's trace the passes are plain code (no nested jit, which XLA:CPU fuses apart from
+    its caller); an eager call runs them compiled; both give the same attention."""
+    q, k, v = qkv(lq=24, lk=24)
+    attn = make("favor+", redraw="fixed")
+    program = jax.make_jaxpr(lambda q, k, v: attn(q, k, v, causal=causal))(q, k, v)
+    names = {str(e.params.get("name")) for e in program.jaxpr.eqns if e.primitive.name in ("pjit", "jit")}
+    assert not names & {"bidirectional_maps", "causal_maps"}, names
+    compiled = (linear.causal_maps if causal else linear.bidirectional_maps).jitted
+    before = compiled._cache_size()
+    eager = attn(q, k, v, causal=causal)
+    assert compiled._cache_size() == before + 1          # the eager call compiled its pass once
+    np.testing.assert_allclose(jax.jit(lambda q, k, v: attn(q, k, v, causal=causal))(q, k, v), eager,
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_the_default_chunking_takes_whole_arrays_while_the_features_are_small():
+    """chunk_size left to the pass: whole arrays (no scan) while a [B, H, L, F] feature array holds at most
+    linear.WHOLE_ARRAY_ELEMENTS elements, chunks above (traced only: shapes, no computation)."""
+    attn = make("favor+", num_features=64, redraw="fixed")
+    f = lambda q, k, v: attn(q, k, v)
+
+    def program(batch, length):
+        a = jax.ShapeDtypeStruct((batch, length, 2, 8), jnp.float32)
+        return str(jax.make_jaxpr(f)(a, a, a))
+    rows = linear.WHOLE_ARRAY_ELEMENTS // 64          # B·H·L at the bound
+    assert "scan" not in program(1, rows // 2)        # H = 2: exactly at the bound, one sequence longer than a chunk
+    assert "scan" in program(1, rows // 2 + linear.BIDIRECTIONAL_CHUNK)
+    assert "scan" in program(4, rows // 4)            # the batch counts too

@@ -58,6 +58,7 @@ class Attention:
     name = ""
     OPTIONS: dict[str, Any] = {}
     data_dependent = False      # True: the feature map is fitted to the data (see `stats`)
+    SPEC_OPTION = None          # the option a kind spec's ':variant' sets (favor.attention.parse_spec)
 
     def __init__(self, **options):
         self.options = options
@@ -101,7 +102,8 @@ class FeatureAttention(Attention, abc.ABC):
     """Linear attention over a feature map given in log space; subclasses give the map.
 
     Options: chunk_size (tokens per chunk of the passes over L; None: each pass's own, the fastest
-    measured: 128 causal, 512 bidirectional, ReLU/ELU's bidirectional the whole length), causal_path
+    measured: 128 causal; bidirectional the whole length while the feature arrays are small, else 512
+    (linear.WHOLE_ARRAY_ELEMENTS); ReLU/ELU's bidirectional the whole length), causal_path
     ("auto", "fast", "exact": see favor.attention.linear.causal_maps; "auto" is exact for any input;
     for ReLU/ELU "auto" is linear.causal_plain, their features used without log space, where their
     range allows) and
@@ -109,7 +111,7 @@ class FeatureAttention(Attention, abc.ABC):
 
     positive = True
     OPTIONS = {"chunk_size": None, "causal_path": "auto", "causal_span": None}
-    BIDIRECTIONAL_CHUNK = linear.BIDIRECTIONAL_CHUNK   # the bidirectional pass's default (None: whole L)
+    BIDIRECTIONAL_CHUNK = "auto"   # the bidirectional pass's default (linear.bidirectional_maps; None: whole L)
     # The fast causal path's guarantee needs every key log-feature finite (each feature's reference is
     # then reached by a real key); maps with exact zero features (ElementwiseAttention) run "auto" as
     # linear.causal_plain on their `phi` (or "exact" outside its range).
@@ -352,7 +354,12 @@ class RandomFeatureAttention(FeatureAttention):
         return kernels.base.average_statistics(running, new, self.stats_momentum)
 
     def _params(self, x, y, mask, query_mask, stats, causal):
-        if stats is not None and self.data_dependent:
+        if not self.data_dependent:
+            # parameters of the dimension alone: one set for every batch and head (no batch dims), so a
+            # feature map's projection is one operand of one matrix product, not a copy per head
+            zero = jnp.zeros((1, x.shape[-1]), jnp.float32)
+            return self.mech.fit(zero, zero)
+        if stats is not None:
             batched = jax.tree.map(lambda a: a[None], stats) if stats.count.ndim == 1 else stats
             return self.mech.fit_statistics(batched)
         if self.data_dependent and causal:
@@ -472,13 +479,14 @@ class RandomFeatureAttention(FeatureAttention):
         return self.mech.key_log_features(y, ctx.draw, ctx.params)
 
 
-def _rf_kind(kind_name, mechanism, doc, extra_options=None, mech_options=None):
+def _rf_kind(kind_name, mechanism, doc, extra_options=None, mech_options=None, spec_option=None):
     extra_options = extra_options or {}
 
     class Kind(RandomFeatureAttention):
         __doc__ = doc
         name = kind_name
         OPTIONS = {**RandomFeatureAttention.OPTIONS, **extra_options}
+        SPEC_OPTION = spec_option
 
         def __init__(self, **options):
             self.mechanism, self.mechanism_options = mech_options(options) if callable(mech_options) \
@@ -517,7 +525,7 @@ FavorSharp = _rf_kind(
     "favor#", "sderf", "FAVOR#: dense-exponential random features (SDERF by default).",
     {"variant": "sderf", "importance_sampling": False},
     lambda o: (_choice("favor#", "variant", o["variant"], ("sderf", "saderf", "aderf")),
-               {"importance_sampling": o["importance_sampling"]}))
+               {"importance_sampling": o["importance_sampling"]}), spec_option="variant")
 def _hrf_mechanism(o):
     lam = _choice("hrf", "lambda_", o["lambda_"], ("angular", "gaussian", "cluster"))
     if lam == "cluster":
@@ -534,7 +542,7 @@ def _hrf_mechanism(o):
 # extra variance saves. The paper's HRF-A(16, 8) is num_features=1024, num_lambda_features=8.
 Hrf = _rf_kind(
     "hrf", "hrf-angular", "Hybrid random features (not positive; the denominator is floored).",
-    {"lambda_": "angular", "num_lambda_features": 1, "clusters": 2}, _hrf_mechanism)
+    {"lambda_": "angular", "num_lambda_features": 1, "clusters": 2}, _hrf_mechanism, spec_option="lambda_")
 def _simrf_mechanism(o):
     # SimRF is its coupling: with any other it is FAVOR+ (or FAVOR++), and an ablation listing simrf
     # would compare a kind with itself. Refuse rather than run another kind under this name.
@@ -545,7 +553,7 @@ def _simrf_mechanism(o):
 
 SimRF = _rf_kind(
     "simrf", "positive", "SimRF: positive or OPRF features on simplex-coupled projections (simplex or simplex+).",
-    {"features": "positive", "coupling": "simplex"}, _simrf_mechanism)
+    {"features": "positive", "coupling": "simplex"}, _simrf_mechanism, spec_option="features")
 
 KINDS = (Softmax, ReluAttention, EluAttention, Favor, FavorPlus, FavorPlusPlus, FavorSharp, Hrf, SimRF)
 

@@ -27,6 +27,7 @@ stabilisers included (see `causal`). Sequence sums and carried states accumulate
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from functools import partial
 
@@ -38,6 +39,7 @@ from favor.kernels.base import pytree_dataclass
 F32 = jnp.float32
 TINY = float(jnp.finfo(jnp.float32).tiny)
 NEG_INF = -jnp.inf
+LOWEST_SCALE = -1e30     # a stabiliser's floor: finite, and below any finite log-feature that matters
 # The fast causal path is exact while no key exceeds its chunk's reference by more than this (in
 # log units); see `_causal_fast`. Lost terms are then below e^(−87 + 40 + log(L·F)) of the
 # denominator, under float32's resolution for L·F < e^30.
@@ -46,6 +48,23 @@ EXACT_BLOCK = 16          # block of the exact causal path, whose diagonal block
 PATHS = ("auto", "fast", "exact")
 
 sg = jax.lax.stop_gradient
+
+
+def jit_when_eager(*static_argnames):
+    """jax.jit for an eager call (compiled once per map and shape, not op by op); inlined as plain code
+    when a caller is already tracing. Why not jit always: XLA:CPU fuses a nested jit's body apart from
+    its caller, and at short lengths that split costs more than the pass (FAVOR+ at L = 256: BENCHMARKS
+    short-length-ab)."""
+    def wrap(fn):
+        jitted = partial(jax.jit, static_argnames=static_argnames)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            tracing = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((args, kwargs)))
+            return fn(*args, **kwargs) if tracing else jitted(*args, **kwargs)
+        call.jitted = jitted
+        return call
+    return wrap
 
 
 def guard(den, positive):
@@ -210,6 +229,11 @@ def _divide_jvp(primals, tangents):
 # used and dropped while it is in cache: written as whole [L, F] arrays, the features cost more memory
 # traffic than the contractions (FAVOR+ at L = 8192, B·H = 4: 114 → 71 ms; chunks of 128/256/512/1024/2048: 110/102/71/75/85 ms).
 BIDIRECTIONAL_CHUNK = 512
+# chunk_size="auto": whole arrays while one [B, H, L, F] feature array holds at most this many elements
+# (8 MiB of float32), chunks of BIDIRECTIONAL_CHUNK above. FAVOR+, F = 256, H = 4, whole over chunked:
+# B = 1, L = 1024 / 2048: 0.76 / 0.78 fwd, 0.70 / 0.72 fwd+bwd; B = 2, L = 1024: 0.87 / 0.74; at twice
+# the size (B = 1, L = 4096; B = 4, L = 1024) 1.56–1.7 fwd: the arrays leave the cache
+WHOLE_ARRAY_ELEMENTS = 2 ** 21
 CAUSAL_CHUNK = 128        # with spans of 512 (below), chunks of 32/64/128 measured alike at L = 8192 (favor+)
 
 
@@ -222,20 +246,26 @@ def _given(ctx, pair):
     return pair
 
 
-@partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "chunk_size"))
+@jit_when_eager("query_map", "key_map", "positive", "chunk_size")
 def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True,
-                       chunk_size=BIDIRECTIONAL_CHUNK, floor=None):
+                       chunk_size="auto", floor=None):
     """`bidirectional` with the features made from inputs chunk by chunk: query_map(ctx, x_chunk) and
     key_map(ctx, y_chunk) -> (log-features, sign or None) as above, for x, y pytrees of [B, H, L, ·]
     arrays (the maps must treat rows independently); chunk_size None: one chunk of the whole length
-    (the array-at-once program). Jitted with the maps static: an eager call compiles
-    once per map and shape; inside a jitted model it inlines.
+    (the array-at-once program); "auto": that while the feature arrays are small (WHOLE_ARRAY_ELEMENTS),
+    else chunks of BIDIRECTIONAL_CHUNK. Jitted with the maps static when called eagerly; inside a
+    caller's trace it is plain code.
 
     Keys first, in one scan: the per-feature key maximum τ is kept as a running maximum and the sum
     Σ_j exp(l_k(j) − τ)·sign·[v_j, 1] rescaled when it grows (as an online softmax), so it ends on the
     scale of the maximum over all valid keys; then the queries, chunk by chunk, with the key-aware
     stabiliser c_i = max_f(l_q(i, f) + τ_f). `floor` (sign-indefinite kinds): `jensen_floor` of the
     inputs, the bound each estimated denominator is raised to (`floored_ratio`)."""
+    if chunk_size == "auto":
+        lk1, sk1 = jax.eval_shape(key_map, ctx, jax.tree.map(lambda a: a[:, :, :1], y))
+        rows = lk1.shape[0] * lk1.shape[1] * max(_length(x), _length(y))
+        chunk_size = None if rows * (lk1.shape[-1] if sk1 is None else sk1.shape[-1]) <= WHOLE_ARRAY_ELEMENTS \
+            else BIDIRECTIONAL_CHUNK
     c = _length(y) if chunk_size is None else min(chunk_size, _length(y))
     # no mask at all when every key is real and the chunks divide L (no padding rows)
     unmasked = valid is None and _length(y) % c == 0
@@ -270,7 +300,10 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
         floor_c = None if floor_c is None else dataclasses.replace(floor, log=floor_c)
         lq, sq = query_map(ctx, x_c)
         lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + _finite_or(tau), NEG_INF)   # on the key scale
-        scale = _finite_or(sg(jnp.max(lqt, axis=-1, keepdims=True)))        # the key-aware query stabiliser
+        # the key-aware query stabiliser, floored inside the reduction (a row with no finite term, which
+        # has no key or no feature mass, gets a finite scale and outputs 0): a guard after the maximum
+        # would keep XLA:CPU from fusing the maximum, exp and contraction into one kernel
+        scale = sg(jnp.max(jnp.maximum(lqt, LOWEST_SCALE), axis=-1, keepdims=True))
         if _row_scaled(lq, sq):
             out = jnp.einsum("bhlf,bhdf->bhld", sq.astype(F32), total) * jnp.exp(lqt - scale)
         else:
@@ -343,7 +376,7 @@ def causal(lq, sq, lk, sk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK
     return causal_maps(_given, _given, None, (lq, sq), (lk, sk), v, valid, positive, chunk_size, path, span)
 
 
-@partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "chunk_size", "path", "span"))
+@jit_when_eager("query_map", "key_map", "positive", "chunk_size", "path", "span")
 def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK,
                 path="auto", span=None, floor=None):
     """`causal` with the features made from inputs span by span (maps and inputs as in
@@ -374,7 +407,7 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     return _ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
 
 
-@partial(jax.jit, static_argnames=("positive", "chunk_size"))
+@jit_when_eager("positive", "chunk_size")
 def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
     """Causal attention for an elementwise feature map φ ≥ 0 with no exponential in it (ReLU, ELU + 1):
     the features fq = φ(x) [B, H, Lq, F], fk = φ(y) [B, H, Lk, F] are used as they are, not through log

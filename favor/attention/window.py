@@ -123,8 +123,7 @@ def _combined_ratio(parts, positive, drop, floor):
     return _ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
 
 
-@partial(jax.jit, static_argnames=("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path",
-                                   "span"))
+@linear.jit_when_eager("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path", "span")
 def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, chunk_size=linear.CAUSAL_CHUNK,
            path="auto", span=None, floor=None):
     """[B, H, Lq, Dv]. x/y the scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), from which
