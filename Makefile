@@ -16,10 +16,10 @@ train: $(STAMP)
 	$(PY) train.py --config configs/default.py --workdir runs/default
 
 # A test whose xdist worker *process* dies (a native crash) is run once more in a fresh worker; a test
-# that fails its assertions is never rerun. Why: on 2026-11-24 each of four full runs here lost one
-# worker to a crash inside XLA/native code in a different test each time (two segfaults in XLA
-# compilation, an abort in an XLA computation, a hang in array_record's thread pool), tests that pass
-# alone; the cause is not found yet (see the issue 13 note). A test still running after 600 s (the
+# that fails its assertions is never rerun. Why: full runs here have lost a worker to a crash inside
+# XLA or other native code, in a different test each time (segfaults in XLA compilation, an abort in an
+# XLA computation, a hang in array_record's thread pool), tests that pass alone; the cause is not found
+# yet. A test still running after 600 s (the
 # longest take ~100 s) is taken for hung: its worker exits, which counts as such a crash.
 RERUN_CRASHES := --reruns 1 --only-rerun "worker 'gw[0-9]+' crashed" --timeout 600 --timeout-method thread
 

@@ -13,14 +13,17 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import jax
 import ml_collections
 
-from favor import sharding
-from favor.attention import qknorm
+from favor import attention as attention_lib
+from favor import data, models, sharding, tasks, uptrain
+from favor import optim as optim_lib
+from favor.attention import qknorm, schedule
 from favor.sharding import DEFAULT_RULES, MESH_AXES
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -108,44 +111,13 @@ def optim(**overrides) -> ml_collections.ConfigDict:
 def attention(kind: str, num_features: int, redraw: str = "", **options) -> dict:
     """The `config.model.attention` block. It carries the random-feature options (so that
     `--config.model.attention.kind=softmax` is a plain override; options a kind does not take are dropped
-    by `attention_options`), the layer's query/key normalisation (favor.attention.qknorm, every kind), and
-    `coupling=""` and `redraw=""`, which mean the kind's own (coupling: orthogonal, or simplex for simrf;
-    redraw: `redraw_of`): a locked config refuses to override a key it lacks, so the keys must exist, but a
-    value here would override every kind's own (an "orthogonal" here once made simrf run FAVOR+)."""
+    by `favor.attention.block_options`), the layer's query/key normalisation (favor.attention.qknorm, every
+    kind), and `coupling=""` and `redraw=""`, which mean the kind's own (coupling: orthogonal, or simplex
+    for simrf; redraw: `favor.attention.block_redraw`): a locked config refuses to override a key it lacks,
+    so the keys must exist, but a value here would override every kind's own (an "orthogonal" here would
+    make simrf run FAVOR+)."""
     return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, "window": 0,
             **qknorm.OPTIONS, **options}
-
-
-OWN_DEFAULT = ("coupling", "redraw")      # block keys whose empty value means "the kind's own"
-
-
-def attention_options(block) -> dict:
-    """The attention block as `favor.attention.get` keywords: only the options the chosen kind takes
-    and no empty `coupling` or `redraw` (the kind's own). `ignored_attention_options` names what was
-    left out."""
-    from favor import attention as attention_lib
-    options = {k: v for k, v in dict(block).items() if not (k in OWN_DEFAULT and not v)}
-    kind = options.get("kind")
-    if kind not in attention_lib.names():
-        raise ValueError(f"unknown attention kind {kind!r} (config.model.attention.kind); "
-                         f"valid: {', '.join(attention_lib.names())}")
-    accepted = {**attention_lib.get(kind).OPTIONS, **qknorm.OPTIONS}   # every kind takes the layer's qk_norm
-    return {"kind": kind, **{k: v for k, v in options.items() if k in accepted}}
-
-
-def ignored_attention_options(block) -> list[str]:
-    """The options of the block that the kind does not take (an empty coupling is not one: it means
-    "the kind's own")."""
-    taken = attention_options(block)
-    return sorted(k for k, v in dict(block).items() if k not in taken and (k not in OWN_DEFAULT or v))
-
-
-def redraw_of(block) -> str:
-    """The redraw schedule a run with this attention block uses: the block's, or the kind's own default
-    (each random-feature kind's, from the measurements in its OPTIONS; "fixed" for kinds that draw
-    nothing)."""
-    from favor import attention as attention_lib
-    return dict(block).get("redraw") or attention_lib.get(dict(block)["kind"]).OPTIONS.get("redraw", "fixed")
 
 
 # -- loading a config file -----------------------------------------------------------------------------
@@ -294,7 +266,6 @@ def validate(config) -> None:
 
     _validate_model(config)
     _validate_uptrain(config)
-    from favor import data, tasks
     for key, module in (("data", data), ("task", tasks)):
         name = dict(config[key]).get("name")
         if name not in module.names():
@@ -306,7 +277,6 @@ def validate(config) -> None:
 
 
 def _validate_optim(config) -> int:
-    from favor import optim as optim_lib
     o = "optim."
     _one_of(config, o + "name", optim_lib.OPTIMIZERS)
     _one_of(config, o + "schedule", optim_lib.SCHEDULES)
@@ -330,9 +300,6 @@ def _validate_optim(config) -> int:
 
 
 def _validate_model(config) -> None:
-    from favor import attention as attention_lib
-    from favor import models
-    from favor.attention import schedule
     m = config.model
     for key in ("dtype", "param_dtype"):
         if key in m:
@@ -346,7 +313,7 @@ def _validate_model(config) -> None:
             schedule.parse(block["redraw"])
         except ValueError:
             raise ConfigError("model.attention.redraw", block["redraw"], f"must be {schedule.HELP}") from None
-    options = attention_options(block)
+    options = attention_lib.block_options(block)
     try:
         options, qk = qknorm.split(options)
     except qknorm.OptionError as e:        # the layer's query/key normalisation, named by its key
@@ -360,7 +327,6 @@ def _validate_model(config) -> None:
         raise ConfigError(key, options[alone[0]] if alone else block, str(e)) from None
     spec = str(m.get("init_from", "") or "")
     if spec:
-        from favor import uptrain
         try:
             uptrain.parse(spec)
         except ValueError as e:
@@ -400,7 +366,6 @@ def _validate_uptrain(config) -> None:
                                                            "kind softmax")
     _number(config, "uptrain.lr", lambda v: v > 0, "a positive number")
     pattern = get(config, "uptrain.trainable")
-    import re
     try:
         re.compile(str(pattern))
     except re.error as e:

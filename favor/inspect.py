@@ -34,41 +34,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from favor import attention as attention_lib, configlib
+from favor import attention as attention_lib
+from favor import sharding, trainer, uptrain
 from favor.attention import qknorm
 from favor.models.layers import SelfAttention
 
 DEFAULT_KINDS = ("softmax", "favor", "favor+", "favor++", "favor#")
-VARIANT_KEY = {"favor#": "variant", "hrf": "lambda_", "simrf": "features"}
-
-
-def parse_kind(spec: str) -> tuple[str, dict]:
-    """'favor#:saderf@16' -> ('favor#', {'variant': 'saderf', 'window': 16})."""
-    body, _, window = spec.partition("@")
-    kind, _, variant = body.partition(":")
-    if kind not in attention_lib.names():
-        raise ValueError(f"--kinds: unknown attention kind {kind!r}; valid: {', '.join(attention_lib.names())}")
-    opts = {}
-    if variant:
-        if kind not in VARIANT_KEY:
-            raise ValueError(f"--kinds: {kind!r} has no variant (got {spec!r}); kinds with one: "
-                             f"{', '.join(VARIANT_KEY)}")
-        opts[VARIANT_KEY[kind]] = variant
-    if window:
-        if not window.isdigit():
-            raise ValueError(f"--kinds: the window after '@' must be an integer; got {spec!r}")
-        opts["window"] = int(window)
-    return kind, opts
 
 
 def _build(spec, num_features, run_block):
     """The attention of `spec` with M features, the run's other options, and its row label."""
-    kind, opts = parse_kind(spec)
+    kind, opts = attention_lib.parse_spec(spec)
     block = {**dict(run_block), "kind": kind, **opts}
     if num_features is not None:
         block["num_features"] = int(num_features)
     # the layer's own qk_norm is already in the q and k this compares kinds on (SelfAttention.project)
-    options, _ = qknorm.split(configlib.attention_options(block))
+    options, _ = qknorm.split(attention_lib.block_options(block))
     attn = attention_lib.get(**options)
     label = spec if not isinstance(attn, attention_lib.RandomFeatureAttention) else f"{spec} (F={attn.num_features})"
     return label, attn
@@ -77,7 +58,6 @@ def _build(spec, num_features, run_block):
 def load(workdir):
     """(config, model module with the run's parameters, its evaluation batches, task) of a run's newest
     checkpoint; the module's attention layers record their inputs."""
-    from favor import sharding, trainer, uptrain
     workdir = Path(workdir).absolute()
     spec = f"run:{workdir}"
     config = uptrain.open_checkpoint(uptrain.parse(spec)).config
@@ -155,13 +135,14 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
     run_block = dict(config.model.attention)
     built = []
     for spec in kinds:
-        ms = num_features if isinstance(attention_lib.get(parse_kind(spec)[0]), attention_lib.RandomFeatureAttention) \
+        kind = attention_lib.get(attention_lib.parse_spec(spec)[0])
+        ms = num_features if isinstance(kind, attention_lib.RandomFeatureAttention) \
             else (None,)
         built += [_build(spec, m, run_block) for m in ms]
     # the run's own kind, as it ran, on a run that keeps one draw: figures on the ω its layers store
     as_run = _build(run_block["kind"], None, run_block)[1].options
     own = {label for label, attn in built if isinstance(attn, attention_lib.RandomFeatureAttention)
-           and not attn.schedule.redraws and configlib.redraw_of(run_block) == "fixed"
+           and not attn.schedule.redraws and attention_lib.block_redraw(run_block) == "fixed"
            and attn.name == run_block["kind"] and attn.num_features == run_block.get("num_features")
            and attn.options == as_run}
     heads = layers[0][1].heads
@@ -261,10 +242,10 @@ def report(result) -> str:
 
 def plot(result, path):
     """One heatmap per kind (layers × heads, colour = relative error, one shared colour scale)."""
-    import matplotlib
+    import matplotlib    # plotting loads matplotlib only when a plot is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
+    import matplotlib.pyplot as plt    # plotting loads matplotlib only when a plot is drawn
+    from matplotlib.colors import LogNorm    # plotting loads matplotlib only when a plot is drawn
 
     kinds = list(result["kinds"])
     values = [np.asarray(result["kinds"][k]["relative_error"]) for k in kinds]
@@ -311,7 +292,10 @@ def main(argv=None):
     try:
         kinds = [k for k in args.kinds.split(",") if k]
         for k in kinds:
-            parse_kind(k)
+            try:
+                attention_lib.parse_spec(k)
+            except ValueError as e:
+                raise ValueError(f"--kinds: {e}") from None
         ms = [int(m) for m in args.num_features.split(",") if m] or [None]
         if any(m < 1 for m in ms if m is not None):
             raise ValueError(f"--num_features must be positive integers; got {args.num_features!r}")

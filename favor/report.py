@@ -86,7 +86,7 @@ def read_events(tb_dir: Path) -> dict:
     (a resumed run appends files; a step written twice keeps its last value)."""
     if not tb_dir.is_dir():
         return {}
-    # tensorboard's own reader and protos: no TensorFlow import needed to read them
+    # tensorboard's own reader and protos (no TensorFlow import needed), loaded when a report reads events
     from tensorboard.backend.event_processing import event_file_loader
     from tensorboard.util import tensor_util
     curves: dict = {}
@@ -356,9 +356,9 @@ def plot(runs, rep: dict, out: Path, title: str = "") -> None:
     setting share a colour, seeds differ by line style. With seeds, the legend names settings (one entry
     each, not one per run: a 3-seed ablation has dozens of runs) and a third panel gives each setting's
     final metric as mean ± sd, sorted, which is what the comparison is read from."""
-    import matplotlib
+    import matplotlib    # plotting loads matplotlib only when a plot is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt    # plotting loads matplotlib only when a plot is drawn
     metric = rep["metric"]
     groups = seed_groups(runs, rep["keys"])
     seeded = bool(rep["groups"])

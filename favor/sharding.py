@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -86,15 +87,6 @@ def batch_divisor(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_batch(batch_size: int, mesh, accumulate_steps: int = 1, what: str = "batch_size"):
-    n = batch_divisor(mesh) * accumulate_steps
-    if batch_size % n:
-        raise ValueError(f"{what} {batch_size} is not divisible by the data-parallel size "
-                         f"{batch_divisor(mesh)} (mesh data × fsdp){' × accumulate_steps ' + str(accumulate_steps) if accumulate_steps > 1 else ''}")
-    if batch_size % jax.process_count():
-        raise ValueError(f"{what} {batch_size} is not divisible by the {jax.process_count()} processes")
-
-
 def global_batch(local: Mapping[str, np.ndarray], mesh, pad_hosts: bool = False) -> dict[str, jax.Array]:
     """Each process passes its own slice of the global batch; the result is one global array per key,
     sharded over the batch axes (the same code runs on one host and on many). `pad_hosts`: the source
@@ -111,7 +103,6 @@ def _pad_to_common_shape(local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Hosts may trim their rows to different widths (length buckets of speech or text chosen from the
     rows each host read); one small all-gather of the shapes pads every host to the widest, with zeros,
     which every source's padding mask reads as "not a token / frame"."""
-    from jax.experimental import multihost_utils
     keys = sorted(local)
     dims = np.asarray([d for k in keys for d in local[k].shape[1:]] or [0], np.int32)
     widest = np.max(multihost_utils.process_allgather(dims), axis=0)

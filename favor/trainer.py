@@ -1,9 +1,9 @@
 """The training loop: config -> mesh -> data -> model -> shardings -> step -> checkpoint -> eval -> loop.
 
 `run(config, workdir)` is what `train.py` calls; it is the list of those sections, each one call of a
-function below. The step functions (`train_step`, `gradients`, `eval_step`, `evaluate`) are module-level
-functions of (state, batch) whose static parts are keyword arguments, bound with functools.partial
-before jit (as the Flax examples do), so a test can call any of them alone.
+function below. The step functions (`train_step`, `gradients`, `eval_step`, `evaluate`: favor/train/steps.py)
+are module-level functions of (state, batch) whose static parts are keyword arguments, bound with
+functools.partial before jit (as the Flax examples do), so a test can call any of them alone.
 
 The train state is a pytree {step, params, rest, opt_state, bad_step}: `params` the model's nnx.Param
 state, `rest` everything else the model holds (random-feature draws, dropout rng counters, batch stats).
@@ -25,15 +25,16 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from clu import periodic_actions
+from clu import metric_writers, periodic_actions
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from favor import checkpoint, configlib, data, models, optim, sharding, tasks, transfer, uptrain
 from favor import attention as attention_lib
 from favor.attention import schedule
-from favor.configlib import attention_options
 from favor.data import atomic
 from favor.data.prefetch import prefetch
+from favor.train.steps import eval_step, evaluate, init_state, train_step, with_features
 
 log = logging.getLogger("favor.train")
 
@@ -58,8 +59,8 @@ def model_builder(config):
     m = config.model.to_dict()
     name, preset = m.pop("name"), m.pop("preset", "tiny")
     m.pop("init_from", None)                          # a trainer option, not a model one (warm_start)
-    m["attention"] = attention_options(config.model.attention)
-    ignored = configlib.ignored_attention_options(config.model.attention)
+    m["attention"] = attention_lib.block_options(config.model.attention)
+    ignored = attention_lib.ignored_block_options(config.model.attention)
     if ignored:
         log.info("attention %s does not take %s; ignored", m["attention"]["kind"], ", ".join(ignored))
     kind = m["attention"]["kind"]
@@ -78,7 +79,7 @@ def model_builder(config):
 
 
 def redraw_schedule(config) -> schedule.Redraw:
-    return schedule.parse(configlib.redraw_of(config.model.attention))
+    return schedule.parse(attention_lib.block_redraw(config.model.attention))
 
 
 def features_base(config):
@@ -96,109 +97,9 @@ def build_source(config):
     a tokenizer, packed tokens, written to a shared data_dir), the others then find it prepared."""
     if jax.process_count() == 1:
         return data.get(config.data)
-    from jax.experimental import multihost_utils
     source = data.get(config.data) if jax.process_index() == 0 else None
     multihost_utils.sync_global_devices("favor: data prepared")
     return source if source is not None else data.get(config.data)
-
-
-# -- the step functions ------------------------------------------------------------------------------
-def init_state(model, tx, transfer_tx=None) -> dict:
-    """The train state of a fresh `model`; with `transfer_tx` (an attention-transfer stage) also the
-    frozen teacher parameters (set to the source's when the run starts from one) and that stage's
-    optimizer state."""
-    _, params, rest = nnx.split(model, nnx.Param, ...)
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
-             "opt_state": tx.init(params), "bad_step": jnp.full((), -1, jnp.int32)}
-    if transfer_tx is not None:
-        state.update(teacher=params, transfer_opt_state=transfer_tx.init(params))
-    return state
-
-
-def loss_fn(params, rest, batch, *, graphdef, task):
-    """(loss, (metrics, rest after the call)) of the task on one batch, in training mode."""
-    # copy=True: fresh Variables in this (grad) trace, so dropout may advance its rng counter
-    model = nnx.merge(graphdef, params, rest, copy=True)
-    loss, metrics = task.loss(model, batch, deterministic=False)
-    _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    return loss, (metrics, new_rest)
-
-
-def gradients(loss, params, rest, batch, accumulate: int = 1):
-    """(loss, metrics, rest, grads) of `loss(params, rest, batch) -> (loss, (metrics, rest))`. With
-    accumulate > 1 the batch is split into that many microbatches, run in a scan (the memory of one,
-    the update of all) and the losses, metrics and gradients averaged: equal to one big batch for a loss
-    that is a mean over equal microbatches."""
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
-    if accumulate == 1:
-        (value, (metrics, rest)), grads = grad_fn(params, rest, batch)
-        return value, metrics, rest, grads
-    micro = jax.tree.map(lambda x: x.reshape(accumulate, x.shape[0] // accumulate, *x.shape[1:]), batch)
-
-    def body(carry, mb):
-        g_sum, l_sum, m_sum, r = carry
-        (value, (m, r)), g = grad_fn(params, r, mb)
-        return (jax.tree.map(jnp.add, g_sum, g), l_sum + value, jax.tree.map(jnp.add, m_sum, m), r), None
-
-    shapes = jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], micro))
-    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-    carry = (zeros(shapes[1]), zeros(shapes[0][0]), zeros(shapes[0][1][0]), rest)
-    (grads, value, metrics, rest), _ = jax.lax.scan(body, carry, micro)
-    mean = lambda tree: jax.tree.map(lambda x: x / accumulate, tree)
-    return value / accumulate, mean(metrics), rest, mean(grads)
-
-
-def with_features(params, rest, *, graphdef, key):
-    """`rest` with every attention layer's ω drawn afresh from `key`."""
-    model = nnx.merge(graphdef, params, rest, copy=True)
-    models.redraw_features(model, key)
-    return nnx.split(model, nnx.Param, ...)[2]
-
-
-def _all_finite(tree):
-    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def apply_if_finite(state, loss, grads, **updated):
-    """`state` with the entries of `updated` and the step advanced, when the loss, the gradients and the
-    new parameters are finite; otherwise `state` as it was (step advanced) and `bad_step` set to the
-    first such step."""
-    step = state["step"]
-    finite = jnp.isfinite(loss) & _all_finite(grads) & _all_finite(updated["params"])   # params: a bad lr
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = dict(state, step=step + 1, bad_step=jnp.where(~finite & (state["bad_step"] < 0), step,
-                                                               state["bad_step"]))
-    new_state.update({k: keep(v, state[k]) for k, v in updated.items()})
-    return new_state
-
-
-def train_step(state, batch, *, graphdef, task, tx, lr_schedule, redraw: schedule.Redraw | None = None,
-               features_base=None, accumulate: int = 1):
-    """One optimizer step: (new state, metrics). `redraw` (with `features_base`, the ω stream's key):
-    the ω schedule, None to keep the stored ω. A non-finite loss, gradient or update is not applied:
-    the state stays and `bad_step` records the first such step (the loop stops on it)."""
-    step, rest = state["step"], state["rest"]
-    if redraw is not None and redraw.redraws:
-        rest = with_features(state["params"], rest, graphdef=graphdef, key=redraw.key(features_base, step))
-    loss, metrics, rest, grads = gradients(partial(loss_fn, graphdef=graphdef, task=task), state["params"], rest,
-                                           batch, accumulate)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    new_state = apply_if_finite(state, loss, grads, params=params, rest=rest, opt_state=opt_state)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=lr_schedule(step))
-    return new_state, metrics
-
-
-def eval_step(params, rest, batch, *, graphdef, task):
-    return task.eval_outputs(nnx.merge(graphdef, params, rest, copy=True), batch)
-
-
-def evaluate(state, batches, *, step_fn, finalize, features_fn=None) -> dict:
-    """The task's metrics over `batches` (global arrays): `step_fn(params, rest, batch)` per batch, the
-    outputs brought to the host, then `finalize`. `features_fn(params, rest)`: the ω evaluation uses
-    (None: the stored one)."""
-    rest = state["rest"] if features_fn is None else features_fn(state["params"], state["rest"])
-    return finalize([jax.device_get(step_fn(state["params"], rest, batch)) for batch in batches])
 
 
 # -- the run's sections ------------------------------------------------------------------------------------
@@ -416,7 +317,6 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
     """The steps from `start` to total_steps: the attention-transfer stage's (`transfer_fn`) first
     when there is one, then `step_fn`'s; logs, evals, checkpoints, SIGTERM. A run that starts from
     another model's parameters evaluates them first (step 0)."""
-    from clu import metric_writers
     total, log_every, batch_size = int(config.total_steps), int(config.log_every), int(config.batch_size)
     writer = metric_writers.create_default_writer(str(workdir / "tensorboard"), just_logging=jax.process_index() > 0)
     progress = Progress(num_train_steps=total, every_steps=log_every, writer=writer)

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from favor.models.layers import SelfAttention
+from favor.train.steps import apply_if_finite, with_features
 
 
 def teacher_of(build_softmax):
@@ -88,7 +89,6 @@ def optimizer(uptrain, trainable_mask) -> optax.GradientTransformation:
 def transfer_step(state, batch, *, graphdef, teacher, task, tx, redraw=None, features_base=None):
     """One transfer-stage step: (new state, metrics). The same guard as train_step: a non-finite loss or
     gradient is not applied and `bad_step` records it."""
-    from favor.trainer import apply_if_finite, with_features
     step, rest = state["step"], state["rest"]
     if redraw is not None and redraw.redraws:
         rest = with_features(state["params"], rest, graphdef=graphdef, key=redraw.key(features_base, step))

@@ -30,7 +30,12 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
+from favor import attention as attention_lib
+from favor import models
+from favor.checkpoint import fingerprint
+from favor.data.atomic import write_text
 from favor.models.layers import is_qk_norm_param
 
 log = logging.getLogger("favor.train")
@@ -132,7 +137,6 @@ def _open(checkpoints: Path, step: int) -> Checkpoint:
 def _fingerprint_holds(restored, saved) -> bool:
     """Every restored leaf's fingerprint (as trainer checkpoints record one per numeric leaf of the whole
     state) is among the saved ones: a damaged parameter file changes its sums."""
-    from favor.checkpoint import fingerprint
     got = np.asarray(jax.device_get(fingerprint(restored)), np.float64)
     saved = np.asarray(saved, np.float64)
     return len(saved) > 0 and all(np.any(np.isclose(saved, g, rtol=1e-5, atol=1e-6)) for g in got)
@@ -245,12 +249,9 @@ def _prune(tree):
 
 
 def _load_hf(config, source: Source, params, shardings):
-    from favor import models
-    from favor.configlib import attention_options
     shared = ("head", "num_labels", "num_classes", "dropout", "attention_dropout", "dtype")
     keep = {k: v for k, v in config.model.to_dict().items() if k in shared}
-    loaded = models.hf.load(source.path, attention=attention_options(config.model.attention), **keep)
-    from flax import nnx
+    loaded = models.hf.load(source.path, attention=attention_lib.block_options(config.model.attention), **keep)
     got = nnx.state(loaded, nnx.Param)
     want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _flat(params).items()}
     have = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _flat(got).items()}
@@ -271,7 +272,6 @@ def record_tokenizer(source, workdir: Path) -> None:
     tok = getattr(source, "tokenizer", None)
     if tok is None or not hasattr(tok, "save") or jax.process_index() != 0:
         return
-    from favor.data.atomic import write_text
     directory = Path(workdir) / TOKENIZER_DIR
     spec = tok.save(directory)
     write_text(directory / "tokenizer.json", json.dumps({"spec": spec}))

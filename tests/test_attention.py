@@ -763,3 +763,16 @@ def test_the_default_chunking_takes_whole_arrays_while_the_features_are_small():
     assert "scan" not in program(1, rows // 2)        # H = 2: exactly at the bound, one sequence longer than a chunk
     assert "scan" in program(1, rows // 2 + linear.BIDIRECTIONAL_CHUNK)
     assert "scan" in program(4, rows // 4)            # the batch counts too
+
+
+def test_a_kind_spec_names_its_kind_variant_and_window():
+    assert attention.parse_spec("favor#:saderf@16") == ("favor#", {"variant": "saderf", "window": 16})
+    assert attention.parse_spec("hrf:cluster") == ("hrf", {"lambda_": "cluster"})
+    assert attention.parse_spec("simrf:oprf") == ("simrf", {"features": "oprf"})
+    assert attention.parse_spec("relu") == ("relu", {})
+    for spec, words in (("nope", ["unknown attention kind 'nope'", "favor+"]), ("relu:x", ["has no variant", "hrf"]),
+                        ("hrf:bogus", ["'bogus'", "'angular'"]), ("favor+@x", ["window", "'x'"]),
+                        ("softmax@8", ["window"])):
+        with pytest.raises(ValueError) as e:
+            attention.parse_spec(spec)
+        assert all(w in str(e.value) for w in words), str(e.value)

@@ -4,13 +4,14 @@ import json
 
 import pytest
 
-from favor import bench
+from favor import attention
+from favor.bench import cli, peers, ratios
 
 
 def test_bench_attention_writes_table_and_json(tmp_path):
     (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n\nkept text\n")
     # a variant and a window in one spec: the parsing both need
-    bench.main(["attention", "--lengths", "64", "--kinds", "softmax,favor#:saderf@4",
+    cli.main(["attention", "--lengths", "64", "--kinds", "softmax,favor#:saderf@4",
                 "--repeats", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench" / "attention.json").read_text())
     kinds = {(r["kind"], r["causal"]) for r in data["rows"]}
@@ -20,7 +21,7 @@ def test_bench_attention_writes_table_and_json(tmp_path):
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert "kept text" in md and "| 64 | causal | favor#:saderf@4 |" in md
     # a second run replaces its section instead of appending another
-    bench.main(["attention", "--lengths", "64", "--kinds", "softmax", "--repeats", "1", "--out", str(tmp_path)])
+    cli.main(["attention", "--lengths", "64", "--kinds", "softmax", "--repeats", "1", "--out", str(tmp_path)])
     assert (tmp_path / "BENCHMARKS.md").read_text().count("attention-benchmark:begin") == 1
 
 
@@ -29,7 +30,7 @@ def test_bench_train_records_the_metric_against_time(tmp_path):
     argv = ["train", "--config", "configs/default.py:runlocal", "--metric", "accuracy", "--target", "0.0",
             "--higher_is_better", "--out", str(tmp_path), "--section", "digits",
             "--", "--config.total_steps=4", "--config.eval_every=2", "--config.checkpoint_every=4"]
-    bench.main(argv)
+    cli.main(argv)
     data = json.loads((tmp_path / "bench" / "digits.json").read_text())
     assert [e["step"] for e in data["evals"]] == [2, 4]
     assert data["evals"][0]["seconds"] < data["evals"][1]["seconds"] < data["meta"]["process_seconds"]
@@ -39,7 +40,7 @@ def test_bench_train_records_the_metric_against_time(tmp_path):
 
 
 def test_bench_parts_writes_every_part_against_one_yardstick(tmp_path):
-    bench.main(["parts", "--length", "128", "--repeats", "1", "--out", str(tmp_path)])
+    cli.main(["parts", "--length", "128", "--repeats", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench" / "favor-plus-parts.json").read_text())
     ratios = {r["part"]: r["ratio"] for r in data["rows"]}
     assert len(ratios) == 7 and all(r > 0 for r in ratios.values())
@@ -51,7 +52,7 @@ def test_bench_parts_writes_every_part_against_one_yardstick(tmp_path):
 
 def test_bench_ratios_times_round_robin_and_writes_the_verdicts(tmp_path):
     targets = "favor+/causal,favor+/bidir,1.5;favor+/bidir,matmul:favor+/bidir,2;favor+@4/causal,favor+/causal,1.25"
-    bench.main(["ratios", "--length", "32", "--rounds", "3", "--out", str(tmp_path), "--targets", targets])
+    cli.main(["ratios", "--length", "32", "--rounds", "3", "--out", str(tmp_path), "--targets", targets])
     data = json.loads((tmp_path / "bench" / "attention-ratios.json").read_text())
     assert [(r["numerator"], r["denominator"], r["target"]) for r in data["rows"]] == [
         ("favor+/causal", "favor+/bidir", 1.5), ("favor+/bidir", "matmul:favor+/bidir", 2.0),
@@ -64,26 +65,26 @@ def test_bench_ratios_times_round_robin_and_writes_the_verdicts(tmp_path):
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert "| favor+/causal : favor+/bidir | ≤ 1.5 |" in md
     with pytest.raises(SystemExit):
-        bench.main(["ratios", "--targets", "favor+/sideways,favor+/bidir,1"])
+        cli.main(["ratios", "--targets", "favor+/sideways,favor+/bidir,1"])
 
 
 def test_bench_ratios_times_forward_and_backward(tmp_path):
     """'+grad' entries time the forward and backward pass; a matmul yardstick of one takes its FLOPs."""
     targets = "favor++/bidir+grad,favor+/bidir+grad,1.15;favor+/bidir+grad,matmul:favor+/bidir+grad,3"
-    bench.main(["ratios", "--length", "32", "--rounds", "2", "--out", str(tmp_path), "--targets", targets])
+    cli.main(["ratios", "--length", "32", "--rounds", "2", "--out", str(tmp_path), "--targets", targets])
     data = json.loads((tmp_path / "bench" / "attention-ratios.json").read_text())
     assert set(data["times"]) == {"favor++/bidir+grad", "favor+/bidir+grad", "matmul:favor+/bidir+grad"}
-    fwd, _, flops_fwd = bench._forward("favor+", 32, False)
-    _, _, flops_grad = bench._forward("favor+", 32, False, grad=True)
+    fwd, _, flops_fwd = ratios._forward("favor+", 32, False)
+    _, _, flops_grad = ratios._forward("favor+", 32, False, grad=True)
     assert flops_grad > 1.5 * flops_fwd
     assert "| favor++/bidir+grad : favor+/bidir+grad | ≤ 1.15 |" in (tmp_path / "BENCHMARKS.md").read_text()
-    assert bench.TARGET_SETS["kinds"] == bench.KIND_TARGETS
+    assert ratios.TARGET_SETS["kinds"] == ratios.KIND_TARGETS
 
 
 def test_bench_steps_times_every_kinds_training_step(tmp_path):
     """The config's real training step per kind, round-robin; ratios to FAVOR+'s per round; flags after
     -- apply to every kind."""
-    bench.main(["steps", "--config", "configs/default.py:runlocal", "--kinds", "softmax,favor+,favor", "--rounds",
+    cli.main(["steps", "--config", "configs/default.py:runlocal", "--kinds", "softmax,favor+,favor", "--rounds",
                 "3", "--out", str(tmp_path), "--", "--config.model.attention.num_features=8"])
     data = json.loads((tmp_path / "bench" / "train-steps.json").read_text())
     rows = {r["kind"]: r for r in data["rows"]}
@@ -92,7 +93,7 @@ def test_bench_steps_times_every_kinds_training_step(tmp_path):
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert "| favor |" in md and "time / favor+'s" in md
     with pytest.raises(SystemExit):
-        bench.main(["steps", "--kinds", "performer"])
+        cli.main(["steps", "--kinds", "performer"])
 
 
 def test_bench_peers_times_favor_against_performer_pytorch(tmp_path):
@@ -100,22 +101,21 @@ def test_bench_peers_times_favor_against_performer_pytorch(tmp_path):
     inputs, so the comparison is like for like), every program is timed every round, and the table and
     JSON are written; bad arguments are one parser error."""
     import numpy as np
-    from favor import bench_peers
-    q, k, v = bench_peers.inputs(64)
+    q, k, v = peers.inputs(64)
     logits = np.einsum("blhd,bmhd->bhlm", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
     for causal in (False, True):
         w = np.exp(logits - logits.max(-1, keepdims=True))
         if causal:
             w = np.tril(w)
         exact = np.einsum("bhlm,bmhd->bhld", w / w.sum(-1, keepdims=True), v.astype(np.float64))
-        favor_fwd, _ = bench_peers.favor_programs(64, causal, (q, k, v))
-        peer_fwd, _ = bench_peers.peer_programs(64, causal, (q, k, v))
+        favor_fwd, _ = peers.favor_programs(64, causal, (q, k, v))
+        peer_fwd, _ = peers.peer_programs(64, causal, (q, k, v))
         errors = [np.linalg.norm(out - exact) / np.linalg.norm(exact)
                   for out in (np.moveaxis(np.asarray(favor_fwd()), 1, 2), peer_fwd().numpy())]
         # M = 256 FAVOR+ estimates on both sides: errors of one size (0.24 causal, 0.35 bidirectional,
         # where the near-uniform weights leave a small output), while the causal mean of all values is 0.9 off
         assert max(errors) < 0.5 and max(errors) < 2 * min(errors), errors
-    bench.main(["peers", "--lengths", "32", "--rounds", "2", "--out", str(tmp_path)])
+    cli.main(["peers", "--lengths", "32", "--rounds", "2", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench" / "peers.json").read_text())
     assert len(data["rows"]) == 2 * 2 and all(len(t) == 2 for t in data["times"].values())
     assert all(r["favor_ms"] > 0 and r["peer_ms"] > 0 for r in data["rows"])
@@ -123,4 +123,16 @@ def test_bench_peers_times_favor_against_performer_pytorch(tmp_path):
     assert "| 32 | causal |" in md and "performer-pytorch" in md
     for argv in (["peers", "--modes", "sideways"], ["peers", "--lengths", "0"], ["peers", "--lengths", "x"]):
         with pytest.raises(SystemExit):
-            bench.main(argv)
+            cli.main(argv)
+
+
+def test_bench_uptrain_gives_a_kind_its_own_variant_option():
+    """`--kinds hrf:gaussian` runs HRF-gaussian: the variant sets the option the kind takes (lambda_ for
+    HRF, features for SimRF, variant for FAVOR#), which the run's attention then receives."""
+    from favor.bench import uptrain as bench_uptrain
+    for spec, key, value in (("hrf:gaussian", "lambda_", "gaussian"), ("simrf:oprf", "features", "oprf"),
+                             ("favor#:saderf", "variant", "saderf")):
+        config = bench_uptrain._config("configs/default.py", [], spec)
+        options = attention.block_options(config.model.attention)
+        assert options["kind"] == spec.partition(":")[0] and options[key] == value, options
+        assert key not in attention.ignored_block_options(config.model.attention)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import attention, configlib, trainer
+from favor import attention, configlib
 from favor.attention import qknorm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,20 +84,20 @@ def test_each_kind_is_built_as_it_names_itself(config_file, kind):
     coupling turned simrf into FAVOR+), so each RF kind gets its own mechanism and coupling."""
     config = configlib.load(str(ROOT / "configs" / config_file))
     config.model.attention.kind = kind
-    options, qk = qknorm.split(trainer.attention_options(config.model.attention))   # the layer takes qk_*
+    options, qk = qknorm.split(attention.block_options(config.model.attention))   # the layer takes qk_*
     attn = attention.get(**options)
     assert attn.name == kind and qk["qk_norm"] == ""
     if isinstance(attn, attention.RandomFeatureAttention):
         assert attn.mech.name == EXPECTED_MECHANISM[kind]
         assert attn.coupling == ("simplex" if kind == "simrf" else "orthogonal")
         # and each kind's own redraw schedule (every random-feature kind: a fresh ω each step)
-        assert str(attn.schedule) == configlib.redraw_of(config.model.attention) == "step"
+        assert str(attn.schedule) == attention.block_redraw(config.model.attention) == "step"
 
 
 def test_a_coupling_the_user_asks_for_is_kept():
     config = default.get_config("kind=favor+")
     config.model.attention.coupling = "iid"              # --config.model.attention.coupling=iid
-    assert attention.get(**qknorm.split(trainer.attention_options(config.model.attention))[0]).coupling == "iid"
+    assert attention.get(**qknorm.split(attention.block_options(config.model.attention))[0]).coupling == "iid"
 
 
 def test_speech_data_and_the_conformer_agree_on_the_subsampling():

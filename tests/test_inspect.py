@@ -56,7 +56,7 @@ def test_command_prints_plots_and_writes_json(run, tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--kinds", "favor++,nope"], "unknown attention kind 'nope'"),
     (["--kinds", "favor+:saderf"], "'favor+' has no variant"),
-    (["--kinds", "favor+@x"], "the window after '@' must be an integer"),
+    (["--kinds", "favor+@x"], "the part after '@' is a window, a whole number of tokens"),
     (["--num_features", "0"], "--num_features must be positive"),
 ])
 def test_bad_arguments_are_one_clear_error(run, argv, message, capsys):

@@ -20,6 +20,7 @@ from flax import nnx
 from favor import checkpoint, configlib, models, optim, tasks, trainer
 from favor.attention import schedule
 from favor.data.prefetch import prefetch
+from favor.train import steps
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -78,13 +79,13 @@ def _step_inputs():
     batch = {"image": rng.random((8, 8, 8, 1), np.float32), "label": rng.integers(0, 10, 8).astype(np.int32)}
     static = dict(graphdef=nnx.graphdef(model), task=tasks.get({"name": "classification"}), tx=tx, lr_schedule=lr,
                   redraw=schedule.parse("step"), features_base=jax.random.PRNGKey(7))
-    return trainer.init_state(model, tx), batch, static
+    return steps.init_state(model, tx), batch, static
 
 
 def test_train_step_accumulating_two_microbatches_equals_one_big_batch():
     state, batch, static = _step_inputs()
-    one, m1 = jax.jit(partial(trainer.train_step, **static, accumulate=1))(state, batch)
-    two, m2 = jax.jit(partial(trainer.train_step, **static, accumulate=2))(state, batch)
+    one, m1 = jax.jit(partial(steps.train_step, **static, accumulate=1))(state, batch)
+    two, m2 = jax.jit(partial(steps.train_step, **static, accumulate=2))(state, batch)
     assert int(one["step"]) == int(two["step"]) == 1 and int(one["bad_step"]) == int(two["bad_step"]) == -1
     for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(two["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
@@ -99,7 +100,7 @@ def test_features_follow_the_redraw_schedule():
     """"every:2": steps 0 and 1 share ω, step 2 draws afresh; the trainer's key is the schedule's."""
     state, _, static = _step_inputs()
     sched = schedule.parse("every:2")
-    rests = [trainer.with_features(state["params"], state["rest"], graphdef=static["graphdef"],
+    rests = [steps.with_features(state["params"], state["rest"], graphdef=static["graphdef"],
                                    key=sched.key(static["features_base"], s)) for s in range(3)]
     draws = lambda rest: [np.asarray(x) for x in jax.tree.leaves(rest) if jnp.issubdtype(x.dtype, jnp.floating)]
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(draws(a), draws(b)))

@@ -14,7 +14,8 @@ import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
 
-from favor import bench_uptrain, configlib, data, models, tasks, trainer, uptrain
+from favor import configlib, data, models, tasks, trainer, uptrain
+from favor.bench import uptrain as bench_uptrain
 from favor.data import local, tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -219,7 +219,7 @@ def test_config_override_reaches_the_layer():
     config = default.get_config("runlocal")
     config.model.attention.window = 4
     configlib.validate(config)
-    assert configlib.attention_options(config.model.attention)["window"] == 4
+    assert attention.block_options(config.model.attention)["window"] == 4
     config.model.attention.window = -2
     with pytest.raises(configlib.ConfigError, match="model.attention.window"):
         configlib.validate(config)

@@ -33,8 +33,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from favor.attention import qknorm
+from favor.attention import qknorm, registry
 
 FEATURE_STREAM = 0x0F4F   # folded into dropout_rng so ω is independent of the dropout mask
 MASK_HELP = ("linear attention takes a padding mask (nnx.make_attention_mask of query and key validity) "
@@ -75,22 +76,18 @@ def _raise_mask_error(ok, causal_without_stats=False):
 
 
 def attention_fn(kind, stats=None, **options):
-    from favor import attention
-
     options, qk = qknorm.split(options)
     if qk["qk_norm"] == "layernorm":
         raise ValueError("attention_fn: for QK-LayerNorm use nnx.MultiHeadAttention(normalize_qk=True, "
                          "attention_fn=attention_fn(kind)), which owns the LayerNorms' learned scales; an "
                          "attention_fn owns no parameters")
-    attn = attention.get(kind, **options)
+    attn = registry.get(kind, **options)
     # qk_norm="l2": an attention_fn owns no parameters, so the sphere's radius is the constant qk_radius
     # here (favor's own attention layer learns one per head)
     sphere = (lambda q, k: qknorm.on_sphere(q, k, jnp.full((q.shape[-2],), float(qk["qk_radius"])))) \
         if qk["qk_norm"] == "l2" else (lambda q, k: (q, k))
 
     if kind == "softmax":
-        from flax import nnx
-
         def softmax_fn(query, key, value, bias=None, mask=None, **kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k in _NNX_DPA_KWARGS}
             query, key = sphere(query, key)

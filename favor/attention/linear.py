@@ -21,7 +21,7 @@ shifted before exponentiating, by constants that cancel in the ratio, all under 
   relevant term underflows and no floor is needed (a query whose own strongest features do not line
   up with the strongest key is exactly where a per-side maximum fails).
 Causal mode keeps every stabiliser causal: the output at position i is computed from keys ≤ i only,
-stabilisers included (see `causal`). Sequence sums and carried states accumulate in float32.
+stabilisers included (see `causal_maps`). Sequence sums and carried states accumulate in float32.
 """
 
 from __future__ import annotations
@@ -227,29 +227,21 @@ def _divide_jvp(primals, tangents):
 # -- bidirectional ------------------------------------------------------------------------------------
 # The feature maps run chunk by chunk inside the passes over L, so a [chunk, F] block of features is made,
 # used and dropped while it is in cache: written as whole [L, F] arrays, the features cost more memory
-# traffic than the contractions (FAVOR+ at L = 8192, B·H = 4: 114 → 71 ms; chunks of 128/256/512/1024/2048: 110/102/71/75/85 ms).
+# traffic than the contractions once they leave the cache (BENCHMARKS.md, short-length-ab: the chunk
+# sizes at L = 8192 and the whole-array sizes).
 BIDIRECTIONAL_CHUNK = 512
-# chunk_size="auto": whole arrays while one [B, H, L, F] feature array holds at most this many elements
-# (8 MiB of float32), chunks of BIDIRECTIONAL_CHUNK above. FAVOR+, F = 256, H = 4, whole over chunked:
-# B = 1, L = 1024 / 2048: 0.76 / 0.78 fwd, 0.70 / 0.72 fwd+bwd; B = 2, L = 1024: 0.87 / 0.74; at twice
-# the size (B = 1, L = 4096; B = 4, L = 1024) 1.56–1.7 fwd: the arrays leave the cache
+# chunk_size="auto": whole arrays (no scan, no checkpoint recompute) while one [B, H, L, F] feature array
+# holds at most this many elements (8 MiB of float32), chunks of BIDIRECTIONAL_CHUNK above: twice this
+# size, whole arrays measured slower, at this size and below faster
 WHOLE_ARRAY_ELEMENTS = 2 ** 21
 CAUSAL_CHUNK = 128        # with spans of 512 (below), chunks of 32/64/128 measured alike at L = 8192 (favor+)
-
-
-def bidirectional(lq, sq, lk, sk, v, valid=None, positive=True):
-    """[B, H, Lq, Dv]: every query attends to every valid key; the log-features given as arrays."""
-    return bidirectional_maps(_given, _given, None, (lq, sq), (lk, sk), v, valid, positive)
-
-
-def _given(ctx, pair):
-    return pair
 
 
 @jit_when_eager("query_map", "key_map", "positive", "chunk_size")
 def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True,
                        chunk_size="auto", floor=None):
-    """`bidirectional` with the features made from inputs chunk by chunk: query_map(ctx, x_chunk) and
+    """[B, H, Lq, Dv]: every query attends to every valid key (the bidirectional formula above), the
+    features made from inputs chunk by chunk: query_map(ctx, x_chunk) and
     key_map(ctx, y_chunk) -> (log-features, sign or None) as above, for x, y pytrees of [B, H, L, ·]
     arrays (the maps must treat rows independently); chunk_size None: one chunk of the whole length
     (the array-at-once program); "auto": that while the feature arrays are small (WHOLE_ARRAY_ELEMENTS),
@@ -264,8 +256,11 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
     if chunk_size == "auto":
         lk1, sk1 = jax.eval_shape(key_map, ctx, jax.tree.map(lambda a: a[:, :, :1], y))
         rows = lk1.shape[0] * lk1.shape[1] * max(_length(x), _length(y))
-        chunk_size = None if rows * (lk1.shape[-1] if sk1 is None else sk1.shape[-1]) <= WHOLE_ARRAY_ELEMENTS \
-            else BIDIRECTIONAL_CHUNK
+        width = lk1.shape[-1] if sk1 is None else sk1.shape[-1]
+        # per-row forms (trig, HRF) keep the chunks beyond one: their backward pass through whole arrays
+        # measured slower than the chunks' recompute (BENCHMARKS.md, short-length-ab)
+        small = rows * width <= WHOLE_ARRAY_ELEMENTS and not _row_scaled(lk1, sk1)
+        chunk_size = None if small else BIDIRECTIONAL_CHUNK
     c = _length(y) if chunk_size is None else min(chunk_size, _length(y))
     # no mask at all when every key is real and the chunks divide L (no padding rows)
     unmasked = valid is None and _length(y) % c == 0
@@ -370,16 +365,11 @@ def _span(chunk, length, span=None):
     return chunk * min(per, -(-length // chunk))
 
 
-def causal(lq, sq, lk, sk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK, path="auto", span=None):
-    """[B, H, Lq, Dv] with query i seeing keys ≤ i + (Lk − Lq) (queries aligned to the last keys, as in
-    decoding after a prefix); the log-features given as arrays. See `causal_maps`."""
-    return causal_maps(_given, _given, None, (lq, sq), (lk, sk), v, valid, positive, chunk_size, path, span)
-
-
 @jit_when_eager("query_map", "key_map", "positive", "chunk_size", "path", "span")
 def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK,
                 path="auto", span=None, floor=None):
-    """`causal` with the features made from inputs span by span (maps and inputs as in
+    """[B, H, Lq, Dv] with query i seeing keys ≤ i + (Lk − Lq) (queries aligned to the last keys, as in
+    decoding after a prefix), the features made from inputs span by span (maps and inputs as in
     `bidirectional_maps`). Every quantity the output at i is computed from — the fitted parameters are
     the caller's business — depends on keys ≤ i only.
 
@@ -452,13 +442,6 @@ def plain_features_safe(fq, fk, valid=None):
 def _masked_features(fk, valid):
     """Plain key features [B, H, L, F] with the padded keys' set to 0."""
     return fk if valid is None else jnp.where(jnp.asarray(valid, bool)[:, None, :, None], fk, 0.0)
-
-
-def _causal_sums(lq, sq, lk, sk, v1, chunk_size, path, span=None):
-    """Σ_{j≤i} φ_q(i)ᵀφ_k(j)[v_j, 1] on query i's own scale: (out [B, H, L, Dv+1], log-scale [B, H, L]),
-    the true sums being e^scale · out; scale is −inf where query i sees no key (then out is 0).
-    lq and lk have the same length here; lk is masked already."""
-    return _causal_sums_maps(_given, _given, None, (lq, sq), (lk, sk), v1, None, chunk_size, path, span)
 
 
 def _causal_sums_maps(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span):

@@ -22,7 +22,6 @@ that leaves the band into the linear state: the same result token by token.
 from __future__ import annotations
 
 import functools
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -36,7 +36,7 @@ def num_frames(num_samples):
 @functools.lru_cache(maxsize=None)
 def mel_matrix(num_mels: int = NUM_MELS, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """[FFT // 2 + 1, num_mels] triangular HTK-mel filters over the power spectrum."""
-    import tensorflow as tf
+    import tensorflow as tf    # TensorFlow loads only when data is read
     return tf.signal.linear_to_mel_weight_matrix(num_mels, FFT // 2 + 1, sample_rate, LOWER_HZ,
                                                  min(UPPER_HZ, sample_rate / 2)).numpy()
 
@@ -60,7 +60,7 @@ def log_mel(waves, sample_rate: int = SAMPLE_RATE, num_mels: int = NUM_MELS):
     with a periodic Hann window; samples past the end are zeros (so a short clip still has a frame)."""
     if sample_rate != SAMPLE_RATE:
         raise ValueError(f"log_mel expects {SAMPLE_RATE} Hz audio (25 ms = {WINDOW} samples); got {sample_rate} Hz")
-    import tensorflow as tf
+    import tensorflow as tf    # TensorFlow loads only when data is read
     waves = [_as_float(w) for w in waves]
     if not waves:
         return np.zeros((0, 1, num_mels), np.float32), np.zeros((0,), np.int32)

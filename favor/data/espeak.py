@@ -29,6 +29,7 @@ Configs: "default" (the corpus `configs/conformer_librispeech.py:data=local` tra
 from __future__ import annotations
 
 import ctypes
+import _ctypes
 import dataclasses
 import io
 import logging
@@ -114,7 +115,7 @@ class Library:
 
     def __init__(self):
         try:
-            import espeakng_loader
+            import espeakng_loader    # the speech synthesiser loads when the speech corpus is built
             self.path = espeakng_loader.get_library_path()
             data = espeakng_loader.get_data_path()
         except Exception as e:      # not installed, or a build without its data (it raises RuntimeError)
@@ -147,7 +148,6 @@ class Library:
         if self.lib is not None:
             self.lib.espeak_Terminate()
             handle, self.lib = self.lib._handle, None
-            import _ctypes
             (_ctypes.dlclose if hasattr(_ctypes, "dlclose") else _ctypes.FreeLibrary)(handle)
         lib = ctypes.CDLL(self.path)
         lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
@@ -226,14 +226,6 @@ def load_library() -> Library:
         return _library
 
 
-def espeak_binary() -> str:
-    """The espeak-ng program on PATH: the fallback when the library cannot be loaded."""
-    path = shutil.which("espeak-ng")
-    if path is None:
-        raise RuntimeError("no `espeak-ng` program on PATH")
-    return path
-
-
 def choose_engine() -> str | None:
     """What synthesises by default: None for espeak-ng's library (from the espeakng-loader package), else
     the path of an `espeak-ng` program on PATH, used when the library cannot be loaded. Logged once each."""
@@ -297,7 +289,7 @@ def draw(seed: int, split: str, index: int) -> Draw:
 def utterance(seed: int, split: str, index: int, binary: str | None = None) -> dict:
     """Example `index` of `split` (a TFDS example dict), deterministic in (seed, split, index). `binary`: as
     for `synthesize`."""
-    from scipy.signal import resample_poly
+    from scipy.signal import resample_poly    # scipy's submodules load on use
     d = draw(seed, split, index)
     x = resample_poly(synthesize(d.text, VOICES[d.speaker], d.rate, d.pitch, binary), 320, 441)  # ×16000/22050
     x = x / max(np.max(np.abs(x)), 1e-6) * d.level

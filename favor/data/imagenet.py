@@ -40,7 +40,7 @@ def default_data_dir() -> str:
 def manual_download_help(name: str, data_dir) -> str:
     """For builders that need a manual download (imagenet2012): where the files go and the command that
     prepares them; "" for builders that download themselves."""
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
     base = name.split("/")[0].split(":")[0]          # "imagenet2012:5.1.0", "imagenet2012_subset/1pct"
     try:
         instructions = tfds.builder_cls(base).MANUAL_DOWNLOAD_INSTRUCTIONS

@@ -14,6 +14,7 @@ The cache is $FAVOR_DATA_DIR, else ~/.cache/favor/tensorflow_datasets.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from pathlib import Path
 
@@ -30,7 +31,6 @@ def cache_dir() -> Path:
 def builder_name(corpus: str) -> str:
     if corpus not in CORPORA:
         raise ValueError(f"unknown local corpus {corpus!r}; valid: {', '.join(CORPORA)}")
-    import importlib
     module, name = CORPORA[corpus]
     importlib.import_module(module)          # registers the TFDS builder class under `name`
     return name
@@ -39,7 +39,7 @@ def builder_name(corpus: str) -> str:
 def prepare(corpus: str, data_dir=None, config: str | None = None) -> str:
     """Build the corpus (a named builder config of it, e.g. the speech corpus's "tiny") into data_dir
     (default: the cache) unless it is there; returns the data_dir."""
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
     name = builder_name(corpus)
     data_dir = str(Path(data_dir).expanduser() if data_dir else cache_dir())
     try:

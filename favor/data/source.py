@@ -24,6 +24,7 @@ format), so this works the same for an in-memory array and for ImageNet on disk.
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import Iterator
 
 import jax
@@ -126,7 +127,7 @@ class ArraySource(IndexedSource):
 def open_tfds(name: str, split: str, data_dir=None):
     """A prepared TFDS split with random access (`builder.as_data_source`); a dataset that is not
     prepared, or prepared without the array_record format, is an error that says what to do."""
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
     where = data_dir or "~/tensorflow_datasets"
     check_data_dir(name, data_dir, "--file_format=array_record")
     try:
@@ -147,7 +148,6 @@ def open_tfds(name: str, split: str, data_dir=None):
 def check_data_dir(name: str, data_dir, build_flags: str = ""):
     """A data_dir that does not exist is a mistake in the config, not a dataset to download."""
     if data_dir is not None:
-        from pathlib import Path
         if not Path(data_dir).expanduser().exists():
             raise FileNotFoundError(f"data_dir {data_dir} does not exist (for TFDS dataset {name}); create it and "
                                     f"prepare the dataset there with `tfds build {name} --data_dir {data_dir}"

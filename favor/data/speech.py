@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from favor.data import audio, tokenizers
+from favor.data import audio, local, tokenizers
 from favor.data.source import IndexedSource, open_tfds
 
 DATASETS = {"librispeech": "librispeech", "local": "favor_speech"}
@@ -85,7 +85,6 @@ def _builder(dataset: str, data_dir):
                          f"(the espeak corpus favor_speech, e.g. 'local:tiny')")
     if kind == "librispeech":
         return DATASETS[kind], data_dir
-    from favor.data import local
     name = local.builder_name("speech")
     return (f"{name}/{config}" if config else name), local.prepare("speech", data_dir, config or None)
 
@@ -128,7 +127,7 @@ class Speech(IndexedSource):
         path = root / "favor_tokenizers" / f"{slug}-n{n}-v{self.vocab_size}.model"
         if path.exists():
             return path
-        import tensorflow_datasets as tfds
+        import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
         # the transcripts only: the audio is left encoded (LibriSpeech's FLAC is never decoded here)
         texts_source = tfds.builder(name, data_dir=data_dir).as_data_source(
             split=self.train_split, decoders={"speech": tfds.decode.SkipDecoding()})

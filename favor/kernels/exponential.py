@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from favor.kernels import stats
 from favor.kernels.base import Mechanism, check_num_features, check_rows, check_sets, pytree_dataclass, static
@@ -302,7 +303,6 @@ class Positive(ExponentialMechanism):
         if coupling == "simplex+":
             raise ValueError("positive: SimRF+ has no closed-form MSE (the paper optimises it "
                              "numerically); use 'iid', 'orthogonal' or 'simplex'")
-        import numpy as np
         mse = positive_mse_gaussian_form(np.sqrt(np.maximum(np.asarray(v2, np.float64), 0.0)),
                                          np.asarray(sq_x, np.float64), np.asarray(sq_y, np.float64),
                                          num_features, x.shape[-1], coupling)

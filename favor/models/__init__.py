@@ -8,83 +8,9 @@ Sizes live in `favor.models.presets`; any key of a family's defaults can be over
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
-from favor import attention as attention_lib
-from favor.attention import qknorm
-from favor.models import presets
+from favor.models import hf
 from favor.models.layers import FeatureDraw, FitStatistics, logical_axes, redraw_features
+from favor.models.zoo import DTYPES, config, get, names, param_count, preset_names
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _family(name):
-    import importlib
-    cls = {"bert": "Bert", "vit": "ViT", "conformer": "Conformer"}[name]
-    return getattr(importlib.import_module(f"favor.models.{name}"), cls)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(presets.PRESETS)
-
-
-def preset_names(name: str) -> tuple[str, ...]:
-    return tuple(presets.PRESETS[_check_name(name)])
-
-
-def _check_name(name):
-    if name not in presets.PRESETS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(presets.PRESETS)}")
-    return name
-
-
-def _dtype(key, value):
-    name = jnp.dtype(value).name if not isinstance(value, str) else value
-    if name not in DTYPES:
-        raise ValueError(f"{key} must be one of {', '.join(DTYPES)}; got {value!r}")
-    return jnp.dtype(name)
-
-
-def config(name: str, preset: str = "tiny", **overrides) -> dict[str, Any]:
-    """The full keyword set a model is built from: family defaults < preset < overrides."""
-    _check_name(name)
-    if preset not in presets.PRESETS[name]:
-        raise ValueError(f"unknown {name} preset {preset!r}; valid: {', '.join(presets.PRESETS[name])}")
-    c = {**presets.DEFAULTS[name], **presets.PRESETS[name][preset]}
-    unknown = sorted(set(overrides) - set(c))
-    if unknown:
-        raise ValueError(f"unknown {name} option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(c))}")
-    c.update(overrides)
-    attn = c["attention"]
-    if isinstance(attn, str):
-        attn = {"kind": attn}
-    if not isinstance(attn, Mapping) or attn.get("kind") not in attention_lib.names():
-        raise ValueError(f"{name}: attention must name a kind in {', '.join(attention_lib.names())}; got {attn!r}")
-    c["attention"] = dict(attn)
-    # unknown attention options fail here, naming the valid ones (the kind's, and the layer's qk_norm)
-    attention_lib.get(**qknorm.split(c["attention"])[0])
-    c["dtype"], c["param_dtype"] = _dtype("dtype", c["dtype"]), _dtype("param_dtype", c["param_dtype"])
-    return c
-
-
-def get(name: str, preset: str = "tiny", *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
-    """Build model `name` ("bert", "vit", "conformer") at `preset` with `overrides`.
-
-    rngs streams: "params" (weights), "dropout", "features" (the random projections, kept as
-    FeatureDraw state); one seed `nnx.Rngs(0)` serves all three."""
-    c = config(name, preset, **overrides)
-    return _family(name)(rngs=rngs if rngs is not None else nnx.Rngs(0), **c)
-
-
-def param_count(model: nnx.Module) -> int:
-    return sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
-from favor.models import hf  # noqa: E402  (after get: hf builds models through it)
-
-__all__ = ["hf", "names", "preset_names", "config", "get", "param_count", "logical_axes", "redraw_features",
-           "FeatureDraw", "FitStatistics"]
+__all__ = ["DTYPES", "hf", "names", "preset_names", "config", "get", "param_count", "logical_axes",
+           "redraw_features", "FeatureDraw", "FitStatistics"]

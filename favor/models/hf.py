@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from favor import models
+from favor.models import zoo
 from favor.models.layers import is_qk_norm_param
 
 BERT_ARCHS = {"BertModel": "none", "BertForMaskedLM": "mlm", "BertForSequenceClassification": "classification"}
@@ -181,7 +181,7 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
     family = "bert" if arch in BERT_ARCHS else "vit"
     tensors = _strip(tensors, family + ".")     # BertFor*/ViTFor* nest the encoder under bert./vit.
     base = _bert_config(cfg, tensors, arch) if family == "bert" else _vit_config(cfg, tensors, arch)
-    model = models.get(family, "base", rngs=rngs, **{**base, **overrides})
+    model = zoo.get(family, "base", rngs=rngs, **{**base, **overrides})
     layers = model.config["num_layers"]
     names = bert_names(layers) if family == "bert" else vit_names(layers)
     params = _params_by_path(model)

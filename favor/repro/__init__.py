@@ -12,6 +12,8 @@ full protocol is what the committed outputs under repro/ come from.
 
 from __future__ import annotations
 
+import importlib
+
 from favor.registry import lookup
 
 # name -> "module" (imported when named: each pulls in its own data and plotting)
@@ -32,6 +34,5 @@ def names() -> tuple[str, ...]:
 
 def get(name: str):
     """The reproduction's module; an unknown name is a ValueError listing the valid ones."""
-    import importlib
     lookup("reproduction", {n: None for n in _REGISTRY}, name)
     return importlib.import_module(_REGISTRY[name])

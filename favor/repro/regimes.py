@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from favor import kernels
+
 REGIMES = ("normal", "sphere", "heterogen", "mnist")
 
 
 @functools.lru_cache(maxsize=1)
 def _digits():
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits    # scikit-learn takes seconds to import: loaded on use
     return (load_digits().data / 16.0).astype(np.float32)   # [1797, 64]
 
 
@@ -97,7 +99,6 @@ def _log_variance_fn(mech):
 
 @functools.lru_cache(maxsize=None)
 def _mechanism(name, options):
-    from favor import kernels
     return kernels.get(name, **dict(options))
 
 

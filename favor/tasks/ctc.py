@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from favor.data import tokenizers
+
 
 def ctc_inputs(labels, label_lengths):
     """(CTC labels = ids + 1 (0 at padding), label paddings [B, U] float32 1.0 = padded)."""
@@ -59,7 +61,7 @@ def error_rates(references: list[str], hypotheses: list[str]) -> dict[str, float
     """Corpus WER and CER (jiwer: substitutions + deletions + insertions over all references, divided
     by the reference words / characters). Pairs whose reference is empty are skipped (no words to
     err on; jiwer refuses them)."""
-    import jiwer
+    import jiwer    # the WER library loads when a speech task scores
     pairs = [(r, h) for r, h in zip(references, hypotheses) if r.strip()]
     if not pairs:
         return {"wer": float("nan"), "cer": float("nan")}
@@ -82,7 +84,6 @@ class Ctc:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from favor.data import tokenizers
             if not self.tokenizer_file:
                 raise ValueError("ctc: task.tokenizer is empty and no speech data source was bound to the task; "
                                  "set task.tokenizer to the sentencepiece model the data uses")

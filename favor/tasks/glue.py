@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from favor import metrics
+
 
 class Glue:
     """A GLUE task on BERT: cross-entropy (or squared error for STS-B) on the pooled head; eval
@@ -14,7 +16,6 @@ class Glue:
     OPTIONS = {"task": "sst2"}
 
     def __init__(self, task="sst2"):
-        from favor import metrics
         if task not in metrics.GLUE_METRICS:
             raise ValueError(f"unknown GLUE task {task!r}; valid: {', '.join(metrics.GLUE_METRICS)}")
         self.task, self.regression = task, task == "stsb"
@@ -39,7 +40,6 @@ class Glue:
                 "loss": self._losses(logits, batch["label"])}
 
     def finalize(self, outputs):
-        from favor import metrics
         cat = {k: np.concatenate([np.asarray(o[k]) for o in outputs]) for k in outputs[0]}
         valid = cat["valid"].astype(bool)
         out = metrics.glue(self.task, cat["pred"], cat["label"], valid)

@@ -1,4 +1,4 @@
-"""favor's FAVOR+ against the public Performer in one round-robin harness (`python -m favor.bench peers`).
+"""`python -m favor.bench peers`: favor's FAVOR+ against the public Performer in one round-robin harness.
 
 The peer is performer-pytorch's `FastAttention` (PyPI; the optional `bench` extra, never a dependency of
 the library), FAVOR+ with its own projection matrix, on torch CPU with as many threads as cores. favor runs
@@ -18,12 +18,15 @@ import os
 import random
 import statistics
 import time
+from importlib.metadata import version
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from favor import attention
+from favor import attention, runtime
+from favor.bench import sections
+from favor.bench.common import ints
 
 B, H, D, M = 1, 4, 64, 256
 LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -33,8 +36,8 @@ BURST = 3               # timed calls per turn, after one untimed call
 
 def _torch():
     try:
-        import torch
-        from performer_pytorch import FastAttention
+        import torch    # optional (the bench extra): only this subcommand needs it
+        from performer_pytorch import FastAttention    # optional (the bench extra): only this subcommand needs it
     except ImportError as e:
         raise SystemExit(f"bench peers needs performer-pytorch and torch ({e}); "
                          "install them with: pip install -e '.[bench]'") from None
@@ -43,7 +46,6 @@ def _torch():
 
 def meta(rounds, command):
     """What a figure of this harness depends on: versions, threads, cores, rounds, the command."""
-    from importlib.metadata import version
     torch, _ = _torch()
     return {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -141,3 +143,31 @@ def markdown(table, meta, section):
             f"per round in a random order, {meta['rounds']} rounds, each turn one untimed call and {meta['burst']} "
             f"timed (their mean); ms are minima, favor / peer the median of per-round ratios (below 1: favor "
             f"faster). Raw figures: bench/{section}.json.\n\n" + "\n".join(lines))
+
+
+def add_parser(sub):
+    pe = sub.add_parser("peers", help="favor's FAVOR+ against performer-pytorch, round-robin (the bench extra)")
+    pe.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    pe.add_argument("--modes", default=",".join(MODES))
+    pe.add_argument("--rounds", type=int, default=15)
+    pe.add_argument("--out", default=".")
+    pe.add_argument("--section", default="peers")
+
+
+def main(args, flags, argv, parser):
+    lengths = ints(parser, "--lengths", args.lengths)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        parser.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; valid: {', '.join(MODES)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be at least 1")
+    runtime.keep_host_pages()
+    times = peers(lengths, modes, args.rounds)
+    table = rows(times)
+    info = meta(args.rounds, "python -m favor.bench " + " ".join(argv))
+    sections.publish(args.out, args.section, markdown(table, info, args.section),
+                     {"meta": info, "rows": table, "times": {"/".join(map(str, k)): v for k, v in times.items()}})
+    for r in table:
+        print(f"L={r['length']:>5} {r['mode']:>13} {r['pass']:>7}: favor {r['favor_ms']:8.2f} ms, "
+              f"peer {r['peer_ms']:8.2f} ms, favor/peer {r['median_ratio']:.2f}")

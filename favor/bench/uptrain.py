@@ -16,12 +16,16 @@ BENCHMARKS.md (section uptrain-<config name>), the raw figures to bench/<section
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
+
+from favor import attention
+from favor.attention import schedule
+from favor.bench import sections
 
 KINDS = ("favor+", "favor++", "favor#", "favor#:saderf", "hrf", "simrf", "favor", "relu", "elu")
 
@@ -29,18 +33,18 @@ KINDS = ("favor+", "favor++", "favor#", "favor#:saderf", "hrf", "simrf", "favor"
 def _config(spec, flags, kind, **overrides):
     """The config `spec` (a configs/*.py[:args]) with command-line style `flags`, the attention kind
     (kind[:variant]) and `overrides` (dotted keys) applied, validated as train.py would."""
-    from favor import configlib
+    from favor import configlib          # the training stack loads when this subcommand runs (cli.py)
     config = configlib.load(spec)
     for flag in flags:
         try:
             configlib.apply_flag(config, flag)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    name, _, variant = kind.partition(":")
+    name, options = attention.parse_spec(kind)
     with config.unlocked():
         config.model.attention.kind = name
-        if variant:
-            config.model.attention.variant = variant
+        for key, value in options.items():
+            config.model.attention[key] = value
     for key, value in overrides.items():
         _set(config, key, value)
     return config
@@ -58,7 +62,7 @@ def _set(config, key, value):
 def _run(config, workdir, log):
     """trainer.run(config, workdir), or the summary of a run that finished there before (an interrupted
     benchmark reruns only what it lacks; a finished run's summary holds its whole eval curve)."""
-    from favor import trainer
+    from favor import trainer            # the training stack loads when this subcommand runs (cli.py)
     done = Path(workdir) / "summary.json"
     if done.exists():
         summary = json.loads(done.read_text())
@@ -118,10 +122,9 @@ def day0(config, workdir, seeds):
     """The eval metrics of `config`'s model (init_from a source) before any step, once per seed in
     `seeds` (the seed picks the evaluation ω, as trainer.run's evaluation does: the first equals a
     `total_steps=0` run's). The model is loaded and the evaluation compiled once for all draws."""
-    from functools import partial
 
-    from favor import configlib, sharding, trainer, uptrain
-    from favor.attention import schedule
+    from favor import sharding, trainer, uptrain    # the training stack: as in _config
+    from favor.train import steps
     workdir = Path(workdir)
     config = trainer.with_tokenizer(config, workdir)
     source, task = trainer.make_data(config)
@@ -130,14 +133,14 @@ def day0(config, workdir, seeds):
     state = jax.jit(model.init, out_shardings=layout.state)()
     state["params"] = uptrain.load_params(config, uptrain.parse(config.model.init_from), state["params"],
                                           layout.state["params"])
-    step_fn = jax.jit(partial(trainer.eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
-    draw = jax.jit(lambda p, r, key: trainer.with_features(p, r, graphdef=model.graphdef, key=key))
-    redraws = schedule.parse(configlib.redraw_of(config.model.attention)).redraws
+    step_fn = jax.jit(partial(steps.eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
+    draw = jax.jit(lambda p, r, key: steps.with_features(p, r, graphdef=model.graphdef, key=key))
+    redraws = schedule.parse(attention.block_redraw(config.model.attention)).redraws
     out = []
     for seed in seeds:
         key = jax.random.fold_in(jax.random.PRNGKey(int(seed)), trainer.EVAL_FEATURES_STREAM)
         batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
-        out.append(trainer.evaluate(state, batches, step_fn=step_fn, finalize=task.finalize,
+        out.append(steps.evaluate(state, batches, step_fn=step_fn, finalize=task.finalize,
                                     features_fn=(lambda p, r: draw(p, r, key)) if redraws else None))
     return out
 
@@ -164,9 +167,9 @@ def table(results, metric, steps, transfer_steps, draws) -> str:
 
 
 def plot(results, metric, path, title, transfer_steps=None):
-    import matplotlib
+    import matplotlib    # plotting loads matplotlib only when a plot is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt    # plotting loads matplotlib only when a plot is drawn
     panels = (("uptrain", "uptrained from the softmax run"), ("transfer", "attention transfer, then uptrained"),
               ("scratch", "trained from scratch"))
     fig, axes = plt.subplots(1, 3, figsize=(16, 5), sharey=True)
@@ -192,12 +195,13 @@ def plot(results, metric, path, title, transfer_steps=None):
     plt.close(fig)
 
 
-def main(args, flags, argv):
+def main(args, flags, argv, parser):
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    from favor import attention
     for k in kinds:
-        if k.partition(":")[0] not in attention.names():
-            raise SystemExit(f"unknown kind {k!r}; valid: {', '.join(attention.names())} (optionally kind:variant)")
+        try:
+            attention.parse_spec(k)
+        except ValueError as e:
+            parser.error(f"--kinds: {e}")
     if args.transfer_steps > args.steps:
         raise SystemExit(f"--transfer_steps {args.transfer_steps} must be at most --steps {args.steps}")
     path, _, config_arg = args.config.partition(":")
@@ -214,19 +218,15 @@ def main(args, flags, argv):
 
 
 def write(args, argv, results, section, name, wall):
-    from favor.bench import replace_section
     out = Path(args.out) / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
-            "command": "python -m favor.bench " + " ".join(argv), "seconds": wall, "metric": args.metric,
-            "steps": args.steps, "transfer_steps": args.transfer_steps, "draws": args.draws,
-            "lr_factor": args.lr_factor}
-    (out / f"{section}.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
+    meta = sections.machine(argv, seconds=wall, metric=args.metric, steps=args.steps,
+                            transfer_steps=args.transfer_steps, draws=args.draws, lr_factor=args.lr_factor)
     title = (f"{name}: {args.metric} of each attention kind started from a softmax run "
              f"({results['source']['steps']} steps, {100 * results['source'][args.metric]:.1f} %)"
              if args.metric == "accuracy" else f"{name}: {args.metric} per attention kind from a softmax run")
     plot(results, args.metric, out / f"{section}.png", title, args.transfer_steps)
-    body = (f"## {section} (`{meta['command']}`)\n\n"
+    body = (f"{sections.heading(section, meta)}\n\n"
             f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}; {wall / 60:.0f} min for this "
             f"invocation (runs it reused from an earlier one not counted). "
             f"Eval {args.metric} ({'%' if args.metric == 'accuracy' else 'value'}) of each kind started from a "
@@ -238,7 +238,7 @@ def write(args, argv, results, section, name, wall):
             f"Plot: bench/{section}.png; "
             f"raw figures: bench/{section}.json.\n\n" + table(results, args.metric, args.steps, args.transfer_steps,
                                                              args.draws))
-    replace_section(args.out, section, body)
+    sections.publish(args.out, section, body, {"meta": meta, **results})
 
 
 def add_parser(sub):

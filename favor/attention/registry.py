@@ -1,0 +1,72 @@
+"""Every attention kind by the name users type, and the two ways tools name one: a kind spec on the
+command line (`kind[:variant][@window]`) and a config's attention block."""
+
+from __future__ import annotations
+
+from favor.attention import qknorm
+from favor.attention.kinds import KINDS
+from favor.registry import build
+
+_REGISTRY = {cls.name: cls for cls in KINDS}
+OWN_DEFAULT = ("coupling", "redraw")      # block keys whose empty value means "the kind's own"
+
+
+def names():
+    """Every attention kind."""
+    return tuple(_REGISTRY)
+
+
+def get(kind, **options):
+    """An attention kind with options; an unknown kind or option is a ValueError listing valid ones."""
+    return build("attention kind", _REGISTRY, kind, options)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """A kind spec as tools take it on the command line, `kind[:variant][@window]`, -> (kind, options):
+    'favor#:saderf@16' -> ('favor#', {'variant': 'saderf', 'window': 16}); the variant sets the option
+    the kind names (FAVOR#'s variant, HRF's lambda_, SimRF's features). A ValueError names a bad part
+    and what is allowed."""
+    body, at, window = str(spec).partition("@")
+    kind, colon, variant = body.partition(":")
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown attention kind {kind!r} in {spec!r}; valid: {', '.join(_REGISTRY)}")
+    cls, options = _REGISTRY[kind], {}
+    if colon:
+        if cls.SPEC_OPTION is None:
+            with_variant = [name for name, c in _REGISTRY.items() if c.SPEC_OPTION]
+            raise ValueError(f"{kind!r} has no variant (got {spec!r}); kinds with one: {', '.join(with_variant)}")
+        options[cls.SPEC_OPTION] = variant
+    if at:
+        if "window" not in cls.OPTIONS or not window.isdigit():
+            raise ValueError(f"{spec!r}: the part after '@' is a window, a whole number of tokens, for a "
+                             f"random-feature kind; got {window!r}")
+        options["window"] = int(window)
+    get(kind, **options)            # a bad variant fails here, with the values allowed
+    return kind, options
+
+
+def block_options(block) -> dict:
+    """A config's attention block (configlib.attention) as `get` keywords: only the options the chosen
+    kind takes, plus the layer's qk_norm, and no empty `coupling` or `redraw` (the kind's own).
+    `ignored_block_options` names what was left out."""
+    options = {k: v for k, v in dict(block).items() if not (k in OWN_DEFAULT and not v)}
+    kind = options.get("kind")
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown attention kind {kind!r} (config.model.attention.kind); "
+                         f"valid: {', '.join(_REGISTRY)}")
+    accepted = {**_REGISTRY[kind].OPTIONS, **qknorm.OPTIONS}   # every kind takes the layer's qk_norm
+    return {"kind": kind, **{k: v for k, v in options.items() if k in accepted}}
+
+
+def ignored_block_options(block) -> list[str]:
+    """The options of the block that its kind does not take (an empty coupling is not one: it means
+    "the kind's own")."""
+    taken = block_options(block)
+    return sorted(k for k, v in dict(block).items() if k not in taken and (k not in OWN_DEFAULT or v))
+
+
+def block_redraw(block) -> str:
+    """The redraw schedule a run with this attention block uses: the block's, or the kind's own default
+    (each random-feature kind's, from the measurements in its OPTIONS; "fixed" for kinds that draw
+    nothing)."""
+    return dict(block).get("redraw") or _REGISTRY[dict(block)["kind"]].OPTIONS.get("redraw", "fixed")

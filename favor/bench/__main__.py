@@ -1,0 +1,3 @@
+from favor.bench.cli import main
+
+main()

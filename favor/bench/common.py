@@ -1,0 +1,110 @@
+"""What the attention benchmarks share: the shapes, timing, compilation (peak memory and FLOPs), the
+same-FLOP matmul yardstick, and how a kind spec becomes the benchmarked layer."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from favor import attention
+
+B, H, D, M = 1, 4, 64, 256
+
+
+def timed(fn, args, repeats, min_seconds=0.3):
+    jax.block_until_ready(fn(*args))                  # warm (compiled already)
+    times = []
+    t_start = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - t_start < min_seconds and len(times) < 50):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def compile_fn(fn, args):
+    compiled = jax.jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    peak = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                         + mem.temp_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    return compiled, peak, flops
+
+
+def memory_budget():
+    """Half the machine's physical memory: what one compiled function may plan to use."""
+    return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def square_matmul(flops):
+    """(jitted matmul, its arguments, the factor taking its time to `flops`): the square float32 matmul
+    nearest `flops` (2n³) floating-point operations."""
+    n = max(16, int(round((flops / 2.0) ** (1.0 / 3.0))))
+    a = jnp.ones((n, n), jnp.float32)
+    return jax.jit(lambda a, b: a @ b), (a, a), flops / (2.0 * n ** 3)
+
+
+def matmul_seconds(flops, repeats):
+    """Time of one square float32 matmul doing `flops` floating-point operations."""
+    f, args, scale = square_matmul(flops)
+    return timed(f, args, repeats) * scale
+
+
+def kind_options(spec):
+    """A kind spec (favor.attention.parse_spec: 'favor#:saderf', 'favor+@64') as the benchmarks run it:
+    random-feature kinds at one feature width M (equal [L, F] cost) and redrawn every call."""
+    kind, opts = attention.parse_spec(spec)
+    if "num_features" in attention.get(kind).OPTIONS:
+        opts = {"num_features": M, "redraw": "step", **opts}
+    return kind, opts
+
+
+def flop_twin(kind, opts, length, causal):
+    """The kind as its FLOPs are counted: XLA's cost analysis counts a while loop's body once (not
+    times its trip count), so the bidirectional pass, a scan over chunks of keys and a map over
+    chunks of queries, is counted on the same kind with one chunk of the whole length (the same
+    operations in one trip). Causal and window passes keep their own chunks (their [C, C] blocks are
+    part of the algorithm's work); their scan over spans of chunks is counted with one span of the
+    whole length."""
+    accepted = attention.get(kind).OPTIONS
+    if "chunk_size" not in accepted:
+        return attention.get(kind, **opts)
+    if causal or opts.get("window"):
+        return attention.get(kind, **{**opts, "causal_span": length})
+    return attention.get(kind, **{**opts, "chunk_size": length})
+
+
+def flops_of(attn, causal, q, k, v, rng, stats, grad):
+    def f(q, k, v, rng):
+        out = lambda q, k, v: attn(q, k, v, causal=causal, rng=rng, stats=stats)
+        return jax.grad(lambda *a: jnp.sum(out(*a)), argnums=(0, 1, 2))(q, k, v) if grad else out(q, k, v)
+    return compile_fn(f, (q, k, v, rng))[2]
+
+
+def setup(spec, length, causal):
+    """(layer, its FLOP twin, (q, k, v, rng), stats) of one benchmarked kind."""
+    kind, opts = kind_options(spec)
+    attn = attention.get(kind, **opts)
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
+    # causal data-dependent kinds fit on statistics from outside the sequence (what a causal model's
+    # running statistics give): fitted once here, outside the timed function
+    stats = attn.statistics(q, k) if causal and getattr(attn, "data_dependent", False) else None
+    return attn, flop_twin(kind, opts, length, causal), (q, k, v, ks[3]), stats
+
+
+def ints(parser, flag, text):
+    """A comma-separated list of positive integers, or the parser's error naming the flag and the value."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"{flag} {text!r}: expected positive integers separated by commas")
+    return values

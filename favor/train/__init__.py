@@ -1,0 +1,1 @@
+"""Training: the step functions (steps.py) that the loop (favor.trainer) and its stages run."""
