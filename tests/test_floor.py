@@ -73,7 +73,7 @@ def _passes(kind, q, k, v, mask, causal, chunk=4, **opts):
     if causal:
         run = lambda f: linear.causal_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk,
                                            "auto", None, f)
-        sums, scale = linear._causal_sums_maps(attn.query_map, attn.key_map, ctx, x, y, linear._ones_column(vv),
+        sums, scale = linear.causal_sums(attn.query_map, attn.key_map, ctx, x, y, linear.ones_column(vv),
                                                mask, chunk, "auto", None)
     else:
         run = lambda f: linear.bidirectional_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk, f)
@@ -88,7 +88,7 @@ def _bidirectional_sums(attn, ctx, x, y, vv, mask):
     lk = jnp.where(mask[:, None, :, None], lk, -jnp.inf)
     tau = jnp.max(lk, axis=-2, keepdims=True)
     w = jnp.exp(lk - tau)
-    total = jnp.einsum("bhld,bhlf->bhdf", linear._ones_column(vv) * w, sk)
+    total = jnp.einsum("bhld,bhlf->bhdf", linear.ones_column(vv) * w, sk)
     lqt = lq + tau
     scale = jnp.max(lqt, axis=-1)
     out = jnp.einsum("bhlf,bhdf->bhld", sq, total) * jnp.exp(lqt - scale[..., None])

@@ -438,8 +438,8 @@ class RandomFeatureAttention(FeatureAttention):
             return none, none
         if causal:
             zeros = jnp.zeros((*y.shape[:3], 0), jnp.float32)
-            sums, scale = linear._causal_sums_maps(self.query_map, self.key_map, ctx, x, y,
-                                                   linear._ones_column(zeros), mask, self.chunk_size, "exact",
+            sums, scale = linear.causal_sums(self.query_map, self.key_map, ctx, x, y,
+                                                   linear.ones_column(zeros), mask, self.chunk_size, "exact",
                                                    self.causal_span)
             den = sums[..., 0]
         else:

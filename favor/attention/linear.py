@@ -77,7 +77,7 @@ def guard(den, positive):
     return jnp.where(den >= 0, jnp.maximum(den, TINY), jnp.minimum(den, -TINY))
 
 
-def _finite_or(a, value=0.0):
+def finite_or(a, value=0.0):
     return jnp.where(jnp.isfinite(a), a, value)
 
 
@@ -91,7 +91,7 @@ def _mask_keys(lk, valid):
     return jnp.where(jnp.asarray(valid, bool)[:, None, :, None], lk, NEG_INF)
 
 
-def _ones_column(v):
+def ones_column(v):
     v = v.astype(F32)
     return jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), F32)], -1)
 
@@ -102,7 +102,7 @@ def _ones_column(v):
 MIN_BOUND = math.exp(-40.0)
 
 
-def _ratio(out, positive, scale=None, floor=None):
+def ratio(out, positive, scale=None, floor=None):
     """out [.., Dv+1] (numerator and denominator on the row's log-scale `scale` [..]) -> [.., Dv].
     `floor` (a `Floor`, sign-indefinite kinds): a denominator estimated below the bound the true one
     cannot go below is raised to it (`floored_ratio`)."""
@@ -191,11 +191,11 @@ def bidirectional_denominators(lq, sq, lk, sk, valid=None):
     the pass itself forms them chunk by chunk)."""
     lk = _mask_keys(lk.astype(F32), valid)
     tau = sg(jnp.max(lk, axis=-2, keepdims=True))                               # [B, H, 1, F]
-    w = jnp.where(jnp.isfinite(lk), jnp.exp(lk - _finite_or(tau)), 0.0)
+    w = jnp.where(jnp.isfinite(lk), jnp.exp(lk - finite_or(tau)), 0.0)
     ksum = jnp.sum(_with_sign(w, sk), axis=-2, keepdims=True)                    # [B, H, 1, F]
-    lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + _finite_or(tau), NEG_INF)
+    lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + finite_or(tau), NEG_INF)
     scale = jnp.max(lqt, axis=-1)
-    fq = _with_sign(jnp.exp(lqt - _finite_or(scale)[..., None]), sq)
+    fq = _with_sign(jnp.exp(lqt - finite_or(scale)[..., None]), sq)
     return jnp.sum(fq * ksum, -1), scale
 
 
@@ -255,17 +255,17 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
     inputs, the bound each estimated denominator is raised to (`floored_ratio`)."""
     if chunk_size == "auto":
         lk1, sk1 = jax.eval_shape(key_map, ctx, jax.tree.map(lambda a: a[:, :, :1], y))
-        rows = lk1.shape[0] * lk1.shape[1] * max(_length(x), _length(y))
+        rows = lk1.shape[0] * lk1.shape[1] * max(seq_length(x), seq_length(y))
         width = lk1.shape[-1] if sk1 is None else sk1.shape[-1]
         # per-row forms (trig, HRF) keep the chunks beyond one: their backward pass through whole arrays
         # measured slower than the chunks' recompute (BENCHMARKS.md, short-length-ab)
         small = rows * width <= WHOLE_ARRAY_ELEMENTS and not _row_scaled(lk1, sk1)
         chunk_size = None if small else BIDIRECTIONAL_CHUNK
-    c = _length(y) if chunk_size is None else min(chunk_size, _length(y))
+    c = seq_length(y) if chunk_size is None else min(chunk_size, seq_length(y))
     # no mask at all when every key is real and the chunks divide L (no padding rows)
-    unmasked = valid is None and _length(y) % c == 0
-    ys, v1s = _in_chunks(y, c), _in_chunks(_ones_column(v), c)
-    valids = None if unmasked else _valid_chunks(valid, _length(y), c)
+    unmasked = valid is None and seq_length(y) % c == 0
+    ys, v1s = _in_chunks(y, c), _in_chunks(ones_column(v), c)
+    valids = None if unmasked else _valid_chunks(valid, seq_length(y), c)
 
     def key_step(carry, chunk):
         tau, total = carry
@@ -275,8 +275,8 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
         if valid_c is not None:
             lk = jnp.where(valid_c[:, None, :, None], lk, NEG_INF)
         new = sg(jnp.maximum(tau, jnp.max(lk, axis=-2, keepdims=True)))    # [B, H, 1, F] (row form: F = 1)
-        keep = jnp.where(jnp.isfinite(tau), jnp.exp(tau - _finite_or(new)), 0.0)
-        w = jnp.exp(lk - _finite_or(new))                                  # ≤ 1; padded keys exactly 0
+        keep = jnp.where(jnp.isfinite(tau), jnp.exp(tau - finite_or(new)), 0.0)
+        w = jnp.exp(lk - finite_or(new))                                  # ≤ 1; padded keys exactly 0
         if _row_scaled(lk, sk):
             # one scale per row: it weights the rows of [V, 1] instead of a pass over the [C, F] values
             add = jnp.einsum("bhld,bhlf->bhdf", v1_c * w, sk.astype(F32))
@@ -294,7 +294,7 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
         # floor_c: this chunk's rows of the floor's log (its value statistics are the same for every row)
         floor_c = None if floor_c is None else dataclasses.replace(floor, log=floor_c)
         lq, sq = query_map(ctx, x_c)
-        lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + _finite_or(tau), NEG_INF)   # on the key scale
+        lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + finite_or(tau), NEG_INF)   # on the key scale
         # the key-aware query stabiliser, floored inside the reduction (a row with no finite term, which
         # has no key or no feature mass, gets a finite scale and outputs 0): a guard after the maximum
         # would keep XLA:CPU from fusing the maximum, exp and contraction into one kernel
@@ -303,9 +303,9 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
             out = jnp.einsum("bhlf,bhdf->bhld", sq.astype(F32), total) * jnp.exp(lqt - scale)
         else:
             out = jnp.einsum("bhlf,bhdf->bhld", _with_sign(jnp.exp(lqt - scale), sq), total)
-        return _ratio(out, positive, scale[..., 0], floor_c)
+        return ratio(out, positive, scale[..., 0], floor_c)
 
-    if chunk_size is None or (c == _length(y) and chunk_size >= _length(x)):
+    if chunk_size is None or (c == seq_length(y) and chunk_size >= seq_length(x)):
         # the whole-array program: one step, no scan, no rematerialisation. For ReLU/ELU at any length
         # (maps too cheap for chunks to pay: BENCHMARKS), and for every kind whose keys and queries fit in
         # one chunk, where a scan of one step and a map of one chunk only add the checkpoint's recompute
@@ -314,15 +314,15 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
     # under jax.checkpoint the backward pass makes each chunk's features again, in cache, instead of
     # storing them all (FAVOR# fwd+bwd at L = 8192: 334 → 282 ms; the whole-array form 287)
     (tau, total), _ = jax.lax.scan(jax.checkpoint(key_step), init, (ys, v1s, valids))
-    cq = min(chunk_size, _length(x))
+    cq = min(chunk_size, seq_length(x))
     floors = None if floor is None else _in_chunks(floor.log[..., None], cq)[..., 0]
     out = jax.lax.map(jax.checkpoint(lambda xf: query_chunk(tau, total, *xf)),
                       (_in_chunks(x, cq), floors))                                        # [N, B, H, C, Dv]
     n, b, h, _, dv = out.shape
-    return jnp.moveaxis(out, 0, 2).reshape(b, h, n * cq, dv)[:, :, :_length(x)]
+    return jnp.moveaxis(out, 0, 2).reshape(b, h, n * cq, dv)[:, :, :seq_length(x)]
 
 
-def _length(tree):
+def seq_length(tree):
     return jax.tree.leaves(tree)[0].shape[2]
 
 
@@ -387,14 +387,14 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     """
     if path not in PATHS:
         raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
-    l_q, l_k = _length(x), _length(y)
+    l_q, l_k = seq_length(x), seq_length(y)
     if l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
                          f"got Lq = {l_q}, Lk = {l_k}")
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
         x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
-    out, scale = _causal_sums_maps(query_map, key_map, ctx, x, y, _ones_column(v), valid, chunk_size, path, span)
-    return _ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
+    out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, chunk_size, path, span)
+    return ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
 
 
 @jit_when_eager("positive", "chunk_size")
@@ -416,14 +416,14 @@ def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
     fq = jnp.pad(fq.astype(F32), ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
     fk = _masked_features(fk.astype(F32), valid)
     c = min(chunk_size, l_k)
-    fq_n, fk_n, v1_n = _chunks(fq, c), _chunks(fk, c), _chunks(_ones_column(v), c)      # pad rows: zeros
+    fq_n, fk_n, v1_n = _chunks(fq, c), _chunks(fk, c), _chunks(ones_column(v), c)      # pad rows: zeros
     states = jnp.einsum("bhncd,bhncf->bhnfd", v1_n, fk_n)                                # [B, H, N, F, Dv+1]
     prefix = jnp.cumsum(states, axis=2) - states                                        # chunks before n
     tril = jnp.tril(jnp.ones((c, c), bool))
     scores = jnp.where(tril, jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n), 0.0)
     out = jnp.einsum("bhnif,bhnfd->bhnid", fq_n, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_n)
     b, h, n = out.shape[:3]
-    return _ratio(out.reshape(b, h, n * c, -1)[:, :, l_k - l_q:l_k], positive)
+    return ratio(out.reshape(b, h, n * c, -1)[:, :, l_k - l_q:l_k], positive)
 
 
 # causal_plain is exact to float32 rounding while every nonzero feature lies in [2^-60, 2^40]: every
@@ -444,9 +444,9 @@ def _masked_features(fk, valid):
     return fk if valid is None else jnp.where(jnp.asarray(valid, bool)[:, None, :, None], fk, 0.0)
 
 
-def _causal_sums_maps(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span):
+def causal_sums(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span):
     """`_causal_sums` from inputs and maps; x and y have the same length."""
-    l = _length(y)
+    l = seq_length(y)
     c = min(chunk_size, l)
     if path == "exact":       # one algorithm for the whole input: the features as whole arrays
         (lq, sq), (lk, sk) = query_map(ctx, x), key_map(ctx, y)
@@ -483,7 +483,7 @@ def _causal_span(query_map, key_map, ctx, c, path, carry, inputs):
     # every row has seen a key, so after the first span it is skipped
     tau0 = sg(jax.lax.cond(jnp.all(seen), lambda: tau, lambda: jnp.where(seen[..., None], tau, _anchor(lk))))
     # [B, H, S], −inf exactly where a key has no mass (lk − finite τ0 is finite where lk is)
-    a = sg(jnp.max(lk - _finite_or(tau0)[:, :, None], axis=-1))
+    a = sg(jnp.max(lk - finite_or(tau0)[:, :, None], axis=-1))
     new_tau = sg(jnp.maximum(tau0, jnp.max(lk, axis=2)))
     ops = (lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau)
     if path == "fast":
@@ -497,7 +497,7 @@ def _causal_span(query_map, key_map, ctx, c, path, carry, inputs):
 def _carry_keep(tau0, new_tau):
     """The factor taking sums on scale τ0 to scale τ' ≥ τ0 (−inf read as 0; clamped below overflow for
     maps with −inf features, where τ may fall)."""
-    return jnp.exp(jnp.minimum(_finite_or(tau0) - _finite_or(new_tau), 80.0))
+    return jnp.exp(jnp.minimum(finite_or(tau0) - finite_or(new_tau), 80.0))
 
 
 def _fast_span(lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau, c):
@@ -516,9 +516,9 @@ def _fast_span(lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau, c):
     Returns (out [B, H, S, Dv+1], its log-scale β_i + α_i, the carry's sum on scale τ')."""
     b, h, s, _ = lq.shape
     n = s // c
-    t = _finite_or(tau0)[:, :, None]                                # [B, H, 1, F]
-    af = _finite_or(a)
-    beta = sg(_finite_or(jnp.max(lq + t, axis=-1)))                # [B, H, S]
+    t = finite_or(tau0)[:, :, None]                                # [B, H, 1, F]
+    af = finite_or(a)
+    beta = sg(finite_or(jnp.max(lq + t, axis=-1)))                # [B, H, S]
     row = _row_scaled(lk, sk)
     if row:
         # one scale per row: exp(l_k − τ − a_j) and exp(l_q + τ − β_i) are 1 in value, so the bounded
@@ -533,7 +533,7 @@ def _fast_span(lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau, c):
     alpha = jax.lax.cummax(a, axis=2)                               # a is −inf exactly where no key
     alpha = sg(jnp.maximum(alpha, jnp.where(seen, 0.0, NEG_INF)[..., None]))
     scale = jnp.where(jnp.isfinite(alpha), beta + alpha, NEG_INF)  # −inf: no key yet
-    alpha = _finite_or(alpha)                                       # no key yet: the row is all zeros
+    alpha = finite_or(alpha)                                       # no key yet: the row is all zeros
 
     chunked = lambda z: z.reshape(b, h, n, c, *z.shape[3:])
     # key weights e^(a_j) (0: no key), clamped at FAST_EXCEEDANCE outside the guarantee (forced "fast")
@@ -559,7 +559,7 @@ def _exact_span(lq, sq, lk, sk, v1, a, seen, tau0, total, new_tau, c):
     """The exact path over one span (`_causal_exact` after the carried sum); the carry's sum from the
     span's keys on scale τ'."""
     out, scale = _causal_exact(lq, sq, lk, sk, v1, tau0, EXACT_BLOCK, c, start=total, seen=seen)
-    fk = _with_sign(jnp.exp(lk - _finite_or(new_tau)[:, :, None]), sk)
+    fk = _with_sign(jnp.exp(lk - finite_or(new_tau)[:, :, None]), sk)
     total = total * _carry_keep(tau0, new_tau)[..., None] + jnp.einsum("bhld,bhlf->bhfd", v1, fk)
     return out, scale, total
 
@@ -609,15 +609,15 @@ def _prefix_states(lk_c, sk_c, v1_c, anchor, start=None):
     # treats them as constants, so a gradient through this shift would not cancel (it once did not: the
     # causal key gradients were wrong while the outputs were right)
     mu = sg(jnp.max(lk_c, axis=3))
-    fk = _with_sign(jnp.exp(lk_c - _finite_or(mu)[:, :, :, None]), sk_c)
+    fk = _with_sign(jnp.exp(lk_c - finite_or(mu)[:, :, :, None]), sk_c)
     states = jnp.einsum("bhncd,bhncf->bhnfd", v1_c, fk)            # [B, H, N, F, Dv+1] on scale μ_n
 
     def step(carry, x):
         tau, total = carry
         mu_n, s_n = x
         new = jnp.maximum(tau, mu_n)
-        keep = jnp.where(jnp.isfinite(tau), jnp.exp(tau - _finite_or(new)), 0.0)
-        add = jnp.where(jnp.isfinite(mu_n), jnp.exp(mu_n - _finite_or(new)), 0.0)
+        keep = jnp.where(jnp.isfinite(tau), jnp.exp(tau - finite_or(new)), 0.0)
+        add = jnp.where(jnp.isfinite(mu_n), jnp.exp(mu_n - finite_or(new)), 0.0)
         return (new, total * keep[..., None] + s_n * add[..., None]), (tau, total)
 
     mu_t = jnp.moveaxis(mu, 2, 0)
@@ -678,10 +678,10 @@ def _exact_chunk(lq, sq, lk, sk, v1, tau0, start, block):
     b, h, l, f = lq.shape
     c, n, lq_c, sq_c, lk_c, sk_c, v1_c, tau_p, prefix = _chunked_with_prefix(lq, sq, lk, sk, v1, tau0, block,
                                                                             start)
-    lqt = jnp.where(jnp.isfinite(tau_p)[:, :, :, None], lq_c + _finite_or(tau_p)[:, :, :, None], NEG_INF)
+    lqt = jnp.where(jnp.isfinite(tau_p)[:, :, :, None], lq_c + finite_or(tau_p)[:, :, :, None], NEG_INF)
     tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
     pair = jnp.where(tril, lq_c[:, :, :, :, None, :] + lk_c[:, :, :, None, :, :], NEG_INF)   # [B,H,N,i,j,F]
-    ci = sg(_finite_or(jnp.maximum(jnp.max(lqt, axis=-1), jnp.max(pair, axis=(-2, -1)))))
+    ci = sg(finite_or(jnp.maximum(jnp.max(lqt, axis=-1), jnp.max(pair, axis=(-2, -1)))))
     fq = _with_sign(jnp.exp(lqt - ci[..., None]), sq_c)
     terms = jnp.exp(pair - ci[..., None, None])
     if sq_c is not None:
@@ -730,9 +730,9 @@ def decode_floor(state, x, y, v, valid=None):
 def decode_absorb(state, lk, sk, v):
     """The state after one more key: lk [B, H, F] (−inf: no key), sk its sign or None, v [B, H, Dv]."""
     tau = jnp.maximum(state["tau"], lk)
-    keep = jnp.where(jnp.isfinite(state["tau"]), jnp.exp(state["tau"] - _finite_or(tau)), 0.0)
-    fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - _finite_or(tau)), 0.0), sk)
-    total = state["sum"] * keep[..., None] + fk[..., None] * _ones_column(v)[..., None, :]
+    keep = jnp.where(jnp.isfinite(state["tau"]), jnp.exp(state["tau"] - finite_or(tau)), 0.0)
+    fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - finite_or(tau)), 0.0), sk)
+    total = state["sum"] * keep[..., None] + fk[..., None] * ones_column(v)[..., None, :]
     return {"tau": tau, "sum": total}
 
 
@@ -741,9 +741,9 @@ def decode_read(state, lq, sq):
     e^scale · out; −inf where no key was absorbed. The query's stabiliser knows the keys, as in the
     bidirectional pass."""
     tau = state["tau"]
-    lqt = jnp.where(jnp.isfinite(tau), lq + _finite_or(tau), NEG_INF)
+    lqt = jnp.where(jnp.isfinite(tau), lq + finite_or(tau), NEG_INF)
     scale = jnp.max(lqt, axis=-1)
-    fq = _with_sign(jnp.exp(lqt - _finite_or(scale)[..., None]), sq)
+    fq = _with_sign(jnp.exp(lqt - finite_or(scale)[..., None]), sq)
     return jnp.einsum("bhf,bhfd->bhd", fq, state["sum"]), scale
 
 
@@ -757,4 +757,4 @@ def decode_step(state, lq, sq, lk, sk, v, valid=None, positive=True, x=None, y=N
     sums, floor = decode_floor(state, x, y, v, valid)
     state = {**decode_absorb(state, lk, sk, v), **sums}
     out, scale = decode_read(state, lq, sq)
-    return _ratio(out, positive, scale, floor), state
+    return ratio(out, positive, scale, floor), state

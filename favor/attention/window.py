@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.attention import linear
-from favor.attention.linear import F32, NEG_INF, _finite_or, _length, _ones_column, _ratio
+from favor.attention.linear import F32, NEG_INF, finite_or, seq_length, ones_column, ratio
 
 sg = jax.lax.stop_gradient
 MIN_BLOCK = 16            # the band's query block is max(w, MIN_BLOCK) tokens (at most L)
@@ -58,11 +58,11 @@ def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_siz
     The key *inputs* move w + 1 positions later (the first w + 1 rows no key), so the causal pass makes
     the features span by span from them, as the plain causal pass does."""
     s = window + 1
-    l = _length(y)
+    l = seq_length(y)
     valid = jnp.ones((1, l), bool) if valid is None else jnp.asarray(valid, bool)
     valid = jnp.pad(valid, ((0, 0), (s, 0)))[:, :l]
     y = jax.tree.map(lambda a: _shift(a, s, 0.0), y)
-    return linear._causal_sums_maps(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size,
+    return linear.causal_sums(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size,
                                     path, span)
 
 
@@ -102,7 +102,7 @@ def _band(x, y, v1, has_key, left, right):
         logits.append(jnp.where(keep, scores, NEG_INF))
         values.append(moved(vb, t))
     m = sg(functools.reduce(jnp.maximum, [jnp.max(z, axis=-1) for z in logits]))   # −inf: no key in band
-    mf = _finite_or(m)[..., None]
+    mf = finite_or(m)[..., None]
     out = sum(jnp.einsum("bhnij,bhnjd->bhnid", jnp.exp(z - mf), vz) for z, vz in zip(logits, values))
     return out.reshape(b, h, n * c, -1)[:, :, :l], m.reshape(b, h, n * c)[:, :, :l]
 
@@ -113,13 +113,13 @@ def combine(parts):
     top = jnp.max(jnp.stack([s for _, s in parts]), axis=0)
     total = 0.0
     for out, s in parts:
-        total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - _finite_or(top)), 0.0)[..., None]
+        total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - finite_or(top)), 0.0)[..., None]
     return total, top
 
 
 def _combined_ratio(parts, positive, drop, floor):
     out, scale = combine(parts)
-    return _ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
+    return ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
 
 
 @linear.jit_when_eager("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path", "span")
@@ -142,7 +142,7 @@ def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, ch
     x, y = x.astype(F32), y.astype(F32)
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
         x = jnp.pad(x, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
-    v1 = _ones_column(v)
+    v1 = ones_column(v)
     b, h = y.shape[:2]
     has_key = jnp.broadcast_to((jnp.ones((1, l_k), bool) if valid is None else jnp.asarray(valid, bool))[:, None],
                                (b, h, l_k))
@@ -194,8 +194,8 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
         new["sk"] = push(state["sk"], jnp.ones_like(lk) if sk is None else sk.astype(F32))
     scores = jnp.where(new["key"], jnp.einsum("bhd,bhwd->bhw", x, new["y"]), NEG_INF)
     m = sg(jnp.max(scores, axis=-1))
-    p = jnp.exp(scores - _finite_or(m)[..., None])
-    band = jnp.einsum("bhw,bhwd->bhd", p, _ones_column(new["v"]))
+    p = jnp.exp(scores - finite_or(m)[..., None])
+    band = jnp.einsum("bhw,bhwd->bhd", p, ones_column(new["v"]))
     est = linear.decode_read(lin, lq, sq)
     out, scale = combine([est, (band, m)])
-    return _ratio(out, positive, scale, floor), new
+    return ratio(out, positive, scale, floor), new
