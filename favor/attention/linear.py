@@ -326,15 +326,19 @@ def seq_length(tree):
     return jax.tree.leaves(tree)[0].shape[2]
 
 
+def _chunks(a, c, fill=0.0):
+    """[B, H, L, X] -> [B, H, N, c, X], padded at the end with `fill` (zero: the caller drops or masks the
+    padded rows; −inf for key log-features: no key)."""
+    b, h, l, x = a.shape
+    pad = (-l) % c
+    if pad:
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=fill)
+    return a.reshape(b, h, (l + pad) // c, c, x)
+
+
 def _in_chunks(tree, c):
-    """[B, H, L, ·] arrays -> [N, B, H, c, ·], zero-padded at the end (the caller drops or masks the pad)."""
-    def split(a):
-        b, h, l, x = a.shape
-        pad = (-l) % c
-        if pad:
-            a = jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        return jnp.moveaxis(a.reshape(b, h, (l + pad) // c, c, x), 2, 0)
-    return jax.tree.map(split, tree)
+    """[B, H, L, ·] arrays -> [N, B, H, c, ·] (chunks leading, for a scan), zero-padded at the end."""
+    return jax.tree.map(lambda a: jnp.moveaxis(_chunks(a, c), 2, 0), tree)
 
 
 def _valid_chunks(valid, l, c):
@@ -578,24 +582,6 @@ def _has_mass(lk):
     return jnp.isfinite(jnp.max(lk, axis=-1))
 
 
-def _chunks(a, c):
-    """[B, H, L, X] -> [B, H, N, c, X], zero-padded at the end (padded rows are dropped later)."""
-    b, h, l, x = a.shape
-    pad = (-l) % c
-    if pad:
-        a = jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    return a.reshape(b, h, (l + pad) // c, c, x)
-
-
-def _key_chunks(lk, c):
-    """Key log-features in chunks; the padding rows are −inf (no key)."""
-    b, h, l, f = lk.shape
-    pad = (-l) % c
-    if pad:
-        lk = jnp.pad(lk, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=NEG_INF)
-    return lk.reshape(b, h, (l + pad) // c, c, f)
-
-
 def _prefix_states(lk_c, sk_c, v1_c, anchor, start=None):
     """Per chunk n, the exclusive prefix Σ_{j in chunks < n} φ_k(j)[v_j, 1] on the scale τ_n:
 
@@ -631,7 +617,7 @@ def _chunked_with_prefix(lq, sq, lk, sk, v1, anchor, size, start=None):
     prefix states before each chunk on its causal scale τ_n (anchor included; `start` a sum before it)."""
     c = min(size, lq.shape[2])
     chunk = lambda a: None if a is None else _chunks(a, c)
-    lk_c = _key_chunks(lk, c)
+    lk_c = _chunks(lk, c, NEG_INF)                       # padded rows: no key
     sk_c, v1_c = chunk(sk), chunk(v1)
     tau_p, prefix = _prefix_states(lk_c, sk_c, v1_c, anchor, start)
     return c, lk_c.shape[2], chunk(lq), chunk(sq), lk_c, sk_c, v1_c, tau_p, prefix
