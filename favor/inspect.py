@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from favor import attention as attention_lib
-from favor import sharding, trainer, uptrain
+from favor import trainer, uptrain
 from favor.attention import qknorm
 from favor.models.layers import SelfAttention
 
@@ -65,13 +65,8 @@ def load(workdir):
         config.model.init_from = spec
         if "uptrain" in config:
             config.uptrain.transfer_steps = 0
-    config = trainer.with_tokenizer(config, workdir)
-    source, task = trainer.make_data(config)
-    model = trainer.make_model(config, source)
-    layout = trainer.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
-    state = jax.jit(model.init, out_shardings=layout.state)()
-    params = uptrain.load_params(config, uptrain.parse(spec), state["params"], layout.state["params"])
-    rest = state["rest"]
+    config, source, task, model, layout, state = trainer.rebuild(config, workdir)
+    params, rest = state["params"], state["rest"]
     features_fn = trainer.eval_features_fn(config, model)
     if features_fn is not None:
         rest = features_fn(params, rest)

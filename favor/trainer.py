@@ -439,3 +439,17 @@ def with_tokenizer(config, workdir: Path):
     config = config.copy_and_resolve_references()
     config.data.tokenizer = spec
     return config
+
+
+def rebuild(config, workdir: Path):
+    """(config, data source, task, model plan, layout, state) of a run rebuilt from the parameters of its
+    `model.init_from`, no step taken: what evaluating or inspecting a checkpoint starts from (the config
+    returned carries the tokenizer that travels with the source)."""
+    config = with_tokenizer(config, Path(workdir))
+    source, task = make_data(config)
+    model = make_model(config, source)
+    layout = make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
+    state = jax.jit(model.init, out_shardings=layout.state)()
+    state["params"] = uptrain.load_params(config, uptrain.parse(config.model.init_from), state["params"],
+                                          layout.state["params"])
+    return config, source, task, model, layout, state

@@ -123,16 +123,9 @@ def day0(config, workdir, seeds):
     `seeds` (the seed picks the evaluation ω, as trainer.run's evaluation does: the first equals a
     `total_steps=0` run's). The model is loaded and the evaluation compiled once for all draws."""
 
-    from favor import sharding, trainer, uptrain    # the training stack: as in _config
+    from favor import trainer                       # the training stack: as in _config
     from favor.train import steps
-    workdir = Path(workdir)
-    config = trainer.with_tokenizer(config, workdir)
-    source, task = trainer.make_data(config)
-    model = trainer.make_model(config, source)
-    layout = trainer.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
-    state = jax.jit(model.init, out_shardings=layout.state)()
-    state["params"] = uptrain.load_params(config, uptrain.parse(config.model.init_from), state["params"],
-                                          layout.state["params"])
+    config, source, task, model, layout, state = trainer.rebuild(config, workdir)
     step_fn = jax.jit(partial(steps.eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
     draw = jax.jit(lambda p, r, key: steps.with_features(p, r, graphdef=model.graphdef, key=key))
     redraws = schedule.parse(attention.block_redraw(config.model.attention)).redraws
