@@ -5,20 +5,15 @@ from __future__ import annotations
 
 from favor.attention import qknorm
 from favor.attention.kinds import KINDS
-from favor.registry import build
+from favor.registry import Registry
 
-_REGISTRY = {cls.name: cls for cls in KINDS}
+REGISTRY = Registry("attention kind", {cls.name: cls for cls in KINDS})
+_REGISTRY = REGISTRY.entries
 OWN_DEFAULT = ("coupling", "redraw")      # block keys whose empty value means "the kind's own"
 
 
-def names():
-    """Every attention kind."""
-    return tuple(_REGISTRY)
-
-
-def get(kind, **options):
-    """An attention kind with options; an unknown kind or option is a ValueError listing valid ones."""
-    return build("attention kind", _REGISTRY, kind, options)
+names = REGISTRY.names      # every attention kind
+get = REGISTRY.build        # get(kind, **options); an unknown kind or option is a ValueError listing valid ones
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:

@@ -16,25 +16,14 @@ sharded loop assembles global arrays from the local slices (favor.sharding.globa
 
 from __future__ import annotations
 
-from favor import registry
+from favor.registry import Registry
 
-WHAT = "dataset"
-_REGISTRY = {
+REGISTRY = Registry("dataset", {
     "digits": "favor.data.digits:Digits",              # scikit-learn's digits (ships with it)
     "glue": "favor.data.glue:Glue",                    # TFDS glue/<task>
     "text": "favor.data.text:MaskedText",              # MLM pretraining on a TFDS text builder
     "imagenet": "favor.data.imagenet:ImageNet",        # TFDS imagenet2012 (manual download)
     "speech": "favor.data.speech:Speech",              # TFDS librispeech or the espeak corpus
-}
+})
 
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(config):
-    return registry.build(WHAT, _REGISTRY, *registry.split_block(config))
-
-
-def check(config) -> None:
-    registry.check(WHAT, _REGISTRY, *registry.split_block(config))
+names, get, check = REGISTRY.names, REGISTRY.from_block, REGISTRY.check_block

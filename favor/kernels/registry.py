@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from favor.kernels import discrete, exponential, hybrid, trig
-from favor.kernels.base import Mechanism
-from favor.registry import build
+from favor.registry import Registry
 
-_REGISTRY: dict[str, type[Mechanism]] = {
+REGISTRY = Registry("kernel mechanism", {
     cls.name: cls
     for cls in (
         trig.Trig,
@@ -24,19 +23,13 @@ _REGISTRY: dict[str, type[Mechanism]] = {
         hybrid.HybridGaussian,
         hybrid.HybridCluster,
     )
-}
+})
 
 
-def names() -> tuple[str, ...]:
-    """Every registered mechanism name."""
-    return tuple(_REGISTRY)
+names = REGISTRY.names      # every registered mechanism name
+get = REGISTRY.build        # get(name, **opts); an unknown name or option is a ValueError listing valid ones
 
 
 def options(name: str) -> dict:
     """The options a mechanism accepts, with their defaults."""
-    return dict(build("kernel mechanism", _REGISTRY, name, {}).OPTIONS)
-
-
-def get(name: str, **opts) -> Mechanism:
-    """A mechanism by registry name; an unknown name or option is a ValueError listing valid ones."""
-    return build("kernel mechanism", _REGISTRY, name, opts)
+    return dict(REGISTRY.lookup(name).OPTIONS)

@@ -15,29 +15,18 @@ from favor.models import presets
 from favor.models.bert import Bert
 from favor.models.conformer import Conformer
 from favor.models.vit import ViT
+from favor.registry import Registry
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-FAMILIES = {"bert": Bert, "vit": ViT, "conformer": Conformer}
-
-
-def _family(name):
-    return FAMILIES[name]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(presets.PRESETS)
+FAMILIES = Registry("model", {"bert": Bert, "vit": ViT, "conformer": Conformer})
+names = FAMILIES.names
 
 
 def preset_names(name: str) -> tuple[str, ...]:
-    return tuple(presets.PRESETS[_check_name(name)])
-
-
-def _check_name(name):
-    if name not in presets.PRESETS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(presets.PRESETS)}")
-    return name
+    FAMILIES.lookup(name)
+    return tuple(presets.PRESETS[name])
 
 
 def _dtype(key, value):
@@ -49,7 +38,7 @@ def _dtype(key, value):
 
 def config(name: str, preset: str = "tiny", **overrides) -> dict[str, Any]:
     """The full keyword set a model is built from: family defaults < preset < overrides."""
-    _check_name(name)
+    FAMILIES.lookup(name)
     if preset not in presets.PRESETS[name]:
         raise ValueError(f"unknown {name} preset {preset!r}; valid: {', '.join(presets.PRESETS[name])}")
     c = {**presets.DEFAULTS[name], **presets.PRESETS[name][preset]}
@@ -75,7 +64,7 @@ def get(name: str, preset: str = "tiny", *, rngs: nnx.Rngs | None = None, **over
     rngs streams: "params" (weights), "dropout", "features" (the random projections, kept as
     FeatureDraw state); one seed `nnx.Rngs(0)` serves all three."""
     c = config(name, preset, **overrides)
-    return _family(name)(rngs=rngs if rngs is not None else nnx.Rngs(0), **c)
+    return FAMILIES.lookup(name)(rngs=rngs if rngs is not None else nnx.Rngs(0), **c)
 
 
 def param_count(model: nnx.Module) -> int:

@@ -12,12 +12,10 @@ full protocol is what the committed outputs under repro/ come from.
 
 from __future__ import annotations
 
-import importlib
-
-from favor.registry import lookup
+from favor.registry import Registry
 
 # name -> "module" (imported when named: each pulls in its own data and plotting)
-_REGISTRY = {
+REGISTRY = Registry("reproduction", {
     "crt-variance": "favor.repro.crt_variance",
     "crt-classify": "favor.repro.crt_classify",
     "simrf-mse": "favor.repro.simrf_mse",
@@ -25,14 +23,8 @@ _REGISTRY = {
     "hrf-pointwise": "favor.repro.hrf_pointwise",
     "favor-sharp-variance": "favor.repro.favor_sharp_variance",
     "importance-sampling": "favor.repro.importance_sampling",
-}
+})
 
+names = REGISTRY.names
+get = REGISTRY.lookup        # the reproduction's module; an unknown name is a ValueError listing the valid ones
 
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(name: str):
-    """The reproduction's module; an unknown name is a ValueError listing the valid ones."""
-    lookup("reproduction", {n: None for n in _REGISTRY}, name)
-    return importlib.import_module(_REGISTRY[name])

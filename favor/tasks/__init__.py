@@ -14,24 +14,13 @@ A task has
 
 from __future__ import annotations
 
-from favor import registry
+from favor.registry import Registry
 
-WHAT = "task"
-_REGISTRY = {
+REGISTRY = Registry("task", {
     "classification": "favor.tasks.classification:Classification",
     "glue": "favor.tasks.glue:Glue",
     "mlm": "favor.tasks.mlm:MaskedLM",
     "ctc": "favor.tasks.ctc:Ctc",
-}
+})
 
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(config):
-    return registry.build(WHAT, _REGISTRY, *registry.split_block(config))
-
-
-def check(config) -> None:
-    registry.check(WHAT, _REGISTRY, *registry.split_block(config))
+names, get, check = REGISTRY.names, REGISTRY.from_block, REGISTRY.check_block
