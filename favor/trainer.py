@@ -104,8 +104,8 @@ def build_source(config):
 
 # -- the run's sections ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Model:
-    """The model as the run knows it before any memory is used."""
+class ModelPlan:
+    """How the run builds its model and train state, known before any memory is used."""
     graphdef: Any
     init: Callable[[], dict]       # a fresh train state (jitted with out_shardings to create it)
     abstract: dict                 # the train state's shapes and dtypes
@@ -144,7 +144,7 @@ def make_data(config):
     return source, task
 
 
-def make_model(config, source) -> Model:
+def make_model(config, source) -> ModelPlan:
     build, model_cfg = model_builder(config)
     needed = getattr(source, "vocab_size", None)     # a tokenizer's vocabulary must fit the embedding
     if needed and "vocab_size" in model_cfg and model_cfg["vocab_size"] < needed:
@@ -152,12 +152,12 @@ def make_model(config, source) -> Model:
                          f"{needed} pieces; set --config.model.vocab_size={needed} (or larger)")
     abstract_model = nnx.eval_shape(build)
     graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-    stage = transfer_steps(config)
-    tx, schedule_ = optim.make(config.optim, max(int(config.total_steps) - stage, 1), params=abs_params,
+    transfer_end = transfer_steps(config)        # the step the main stage starts at
+    tx, schedule_ = optim.make(config.optim, max(int(config.total_steps) - transfer_end, 1), params=abs_params,
                                num_layers=model_cfg["num_layers"])
-    lr_schedule = schedule_ if not stage else (lambda step: schedule_(jnp.maximum(step - stage, 0)))
+    lr_schedule = schedule_ if not transfer_end else (lambda step: schedule_(jnp.maximum(step - transfer_end, 0)))
     transfer_tx = teacher = None
-    if stage:
+    if transfer_end:
         mask = uptrain.trainable_mask(abs_params, str(config.uptrain.trainable))
         if not any(jax.tree.leaves(mask)):
             raise ValueError(f"config.uptrain.trainable={config.uptrain.trainable!r} selects no parameter")
@@ -167,7 +167,7 @@ def make_model(config, source) -> Model:
             softmax.model.attention = {"kind": "softmax"}
         teacher = transfer.teacher_of(model_builder(softmax)[0])
     init = lambda: init_state(build(), tx, transfer_tx)
-    return Model(graphdef, init, jax.eval_shape(init), models.logical_axes(abstract_model), tx, lr_schedule,
+    return ModelPlan(graphdef, init, jax.eval_shape(init), models.logical_axes(abstract_model), tx, lr_schedule,
                  transfer_tx, teacher)
 
 
@@ -175,7 +175,7 @@ def transfer_steps(config) -> int:
     return int(config.get("uptrain", {}).get("transfer_steps", 0) or 0)
 
 
-def make_layout(model: Model, mesh, rules, source) -> Layout:
+def make_layout(model: ModelPlan, mesh, rules, source) -> Layout:
     param_sh = sharding.param_shardings(model.abstract["params"], model.logical, mesh, dict(rules))
     rep = sharding.replicated(mesh)
     opt_sh = optax.tree_map_params(model.tx, lambda _, s: s, model.abstract["opt_state"], param_sh,
@@ -191,7 +191,7 @@ def make_layout(model: Model, mesh, rules, source) -> Layout:
     return Layout(mesh, state_sh, abstract, bool(getattr(source, "host_dependent_shapes", False)))
 
 
-def make_train_step(config, model: Model, task, layout: Layout):
+def make_train_step(config, model: ModelPlan, task, layout: Layout):
     step = partial(train_step, graphdef=model.graphdef, task=task, tx=model.tx, lr_schedule=model.lr_schedule,
                    redraw=redraw_schedule(config), features_base=features_base(config),
                    accumulate=int(config.optim.accumulate_steps))
@@ -199,7 +199,7 @@ def make_train_step(config, model: Model, task, layout: Layout):
                    donate_argnums=0)
 
 
-def make_transfer_step(config, model: Model, task, layout: Layout):
+def make_transfer_step(config, model: ModelPlan, task, layout: Layout):
     """The attention-transfer stage's step (None without one)."""
     if model.transfer_tx is None:
         return None
@@ -209,7 +209,7 @@ def make_transfer_step(config, model: Model, task, layout: Layout):
                    donate_argnums=0)
 
 
-def restore_or_init(config, workdir: Path, model: Model, layout: Layout):
+def restore_or_init(config, workdir: Path, model: ModelPlan, layout: Layout):
     """(checkpointer, state, start step): the newest whole checkpoint, else a fresh (or warm) state."""
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=int(config.keep_checkpoints))
     restored = ckpt.restore_latest(layout.abstract)
@@ -229,7 +229,7 @@ def restore_or_init(config, workdir: Path, model: Model, layout: Layout):
     return ckpt, state, start
 
 
-def eval_features_fn(config, model: Model):
+def eval_features_fn(config, model: ModelPlan):
     """(params, rest) -> rest with the ω every evaluation of the run uses; None when ω is never redrawn."""
     if not redraw_schedule(config).redraws:
         return None
@@ -237,7 +237,7 @@ def eval_features_fn(config, model: Model):
     return jax.jit(partial(with_features, graphdef=model.graphdef, key=key))
 
 
-def make_evaluate(config, model: Model, task, source, layout: Layout) -> Callable[[dict], dict]:
+def make_evaluate(config, model: ModelPlan, task, source, layout: Layout) -> Callable[[dict], dict]:
     """state -> the task's metrics on the whole eval split, with one fixed ω for every evaluation of a run."""
     features_fn = eval_features_fn(config, model)
     # outputs replicated: every host gets the whole batch's outputs (per-example predictions included),
@@ -250,7 +250,7 @@ def make_evaluate(config, model: Model, task, source, layout: Layout) -> Callabl
     return run_eval
 
 
-def make_transfer_eval(config, model: Model, task, source, layout: Layout):
+def make_transfer_eval(config, model: ModelPlan, task, source, layout: Layout):
     """state -> per-layer attention MSE against the softmax teacher on the eval split (None without a
     transfer stage)."""
     if model.transfer_tx is None:
@@ -323,7 +323,7 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
     batches = prefetch(source.train_batches(batch_size, start, int(config.seed)), int(config.get("prefetch", 2)))
     history = {"train_loss": None, "steps_per_second": None, "losses": [], "evals": [], "attention_mse": {}}
     eval_metrics = {}
-    stage = transfer_steps(config)
+    transfer_end = transfer_steps(config)
 
     def record_eval(step):
         metrics = evaluate_fn(state)
@@ -348,7 +348,7 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
     with preemption() as stop:
         try:
             for step in range(start, total):
-                fn = transfer_fn if step < stage else step_fn
+                fn = transfer_fn if step < transfer_end else step_fn
                 state, metrics = fn(state, layout.global_batch(next(batches)))
                 done = step + 1
                 last = done == total
@@ -366,7 +366,7 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                     history["losses"].append((done, m["loss"]))
                     speed = "" if rate is None else f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s"
                     log.info("step %d/%d: loss %.4f%s", done, total, m["loss"], speed)
-                if transfer_eval_fn is not None and done == stage:
+                if transfer_eval_fn is not None and done == transfer_end:
                     record_attention_mse(done)
                 if done % int(config.eval_every) == 0 or last:
                     # no dispatch barrier: evaluate ends by fetching its outputs, so its time is whole

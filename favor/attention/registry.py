@@ -13,7 +13,12 @@ OWN_DEFAULT = ("coupling", "redraw")      # block keys whose empty value means "
 
 
 names = REGISTRY.names      # every attention kind
-get = REGISTRY.build        # get(kind, **options); an unknown kind or option is a ValueError listing valid ones
+
+
+def get(kind, **options):
+    """An attention kind with options (`kind` may come as a keyword, as in get(**block_options(block)));
+    an unknown kind or option is a ValueError listing valid ones."""
+    return REGISTRY.build(kind, **options)
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
