@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from favor import attention, runtime
 from favor.bench import sections
 from favor.bench.common import (B, D, H, M, compile_fn, flops_of, ints, matmul_seconds, memory_budget, setup,
-                                timed)
+                                specs, timed)
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -119,12 +119,7 @@ def add_parser(sub):
 
 
 def main(args, flags, argv, parser):
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    for k in kinds:
-        try:
-            attention.parse_spec(k)
-        except ValueError as e:
-            parser.error(f"--kinds: {e}")
+    kinds = specs(parser, "--kinds", args.kinds)
     lengths = ints(parser, "--lengths", args.lengths)
     runtime.keep_host_pages()   # for every kind and the yardsticks alike; see favor/runtime.py
     run(kinds, lengths, args.repeats, args.out, lambda rows: write(rows, args.out, argv, args.section))

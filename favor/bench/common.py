@@ -108,3 +108,15 @@ def ints(parser, flag, text):
     if not values or min(values) < 1:
         parser.error(f"{flag} {text!r}: expected positive integers separated by commas")
     return values
+
+
+def specs(parser, flag, text):
+    """Comma-separated kind specs (favor.attention.parse_spec), each checked, or the parser's error naming
+    the flag and what is wrong."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    for k in kinds:
+        try:
+            attention.parse_spec(k)
+        except ValueError as e:
+            parser.error(f"{flag}: {e}")
+    return kinds

@@ -26,6 +26,7 @@ import jax
 from favor import attention
 from favor.attention import schedule
 from favor.bench import sections
+from favor.bench.common import specs
 
 KINDS = ("favor+", "favor++", "favor#", "favor#:saderf", "hrf", "simrf", "favor", "relu", "elu")
 
@@ -189,12 +190,7 @@ def plot(results, metric, path, title, transfer_steps=None):
 
 
 def main(args, flags, argv, parser):
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    for k in kinds:
-        try:
-            attention.parse_spec(k)
-        except ValueError as e:
-            parser.error(f"--kinds: {e}")
+    kinds = specs(parser, "--kinds", args.kinds)
     if args.transfer_steps > args.steps:
         raise SystemExit(f"--transfer_steps {args.transfer_steps} must be at most --steps {args.steps}")
     path, _, config_arg = args.config.partition(":")
