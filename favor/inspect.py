@@ -131,8 +131,7 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
     built = []
     for spec in kinds:
         kind = attention_lib.get(attention_lib.parse_spec(spec)[0])
-        ms = num_features if isinstance(kind, attention_lib.RandomFeatureAttention) \
-            else (None,)
+        ms = num_features if isinstance(kind, attention_lib.RandomFeatureAttention) else (None,)
         built += [_build(spec, m, run_block) for m in ms]
     # the run's own kind, as it ran, on a run that keeps one draw: figures on the ω its layers store
     as_run = _build(run_block["kind"], None, run_block)[1].options
@@ -237,10 +236,11 @@ def report(result) -> str:
 
 def plot(result, path):
     """One heatmap per kind (layers × heads, colour = relative error, one shared colour scale)."""
-    import matplotlib    # plotting loads matplotlib only when a plot is drawn
+    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt    # plotting loads matplotlib only when a plot is drawn
-    from matplotlib.colors import LogNorm    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
 
     kinds = list(result["kinds"])
     values = [np.asarray(result["kinds"][k]["relative_error"]) for k in kinds]

@@ -34,7 +34,7 @@ def _valid(pred, label, valid):
 def compute(name: str, pred, label, valid=None) -> float:
     """One metric over the valid rows; `pred` are class ids (or scores for the correlations)."""
     from scipy import stats    # scipy's submodules load on use
-    from sklearn import metrics as skm    # scikit-learn takes seconds to import: loaded on use
+    from sklearn import metrics as skm    # scikit-learn takes about a second to import: loaded on use
     pred, label = _valid(pred, label, valid)
     if name == "accuracy":
         return float(np.mean(pred == label))

@@ -356,9 +356,10 @@ def plot(runs, rep: dict, out: Path, title: str = "") -> None:
     setting share a colour, seeds differ by line style. With seeds, the legend names settings (one entry
     each, not one per run: a 3-seed ablation has dozens of runs) and a third panel gives each setting's
     final metric as mean ± sd, sorted, which is what the comparison is read from."""
-    import matplotlib    # plotting loads matplotlib only when a plot is drawn
+    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib.pyplot as plt
     metric = rep["metric"]
     groups = seed_groups(runs, rep["keys"])
     seeded = bool(rep["groups"])

@@ -765,6 +765,24 @@ def test_the_default_chunking_takes_whole_arrays_while_the_features_are_small():
     assert "scan" not in program(1, rows // 2)        # H = 2: exactly at the bound, one sequence longer than a chunk
     assert "scan" in program(1, rows // 2 + linear.BIDIRECTIONAL_CHUNK)
     assert "scan" in program(4, rows // 4)            # the batch counts too
+    # the per-row forms (trig, HRF) keep chunks beyond one chunk even when small
+    trig = make("favor", num_features=64, redraw="fixed")
+    a = jax.ShapeDtypeStruct((1, 2 * linear.BIDIRECTIONAL_CHUNK, 2, 8), jnp.float32)
+    assert "scan" in str(jax.make_jaxpr(lambda q, k, v: trig(q, k, v))(a, a, a))
+
+
+@pytest.mark.parametrize("kind", ["favor+", "favor", "hrf", "favor++"])
+def test_parameters_of_the_dimension_alone_have_no_batch_dims(kind):
+    """A data-independent mechanism's parameters are one set for every batch and head (its projection is
+    one matrix, not a copy per head); a fitted one's are per batch and head. Outputs as before: the
+    float64 comparisons elsewhere cover them."""
+    q, k, v = qkv()
+    attn = make(kind)
+    leading = {a.shape[:-1] if a.ndim else () for a in jax.tree.leaves(attn.context(q, k).params)}
+    if attn.data_dependent:
+        assert all(shape[:2] == q.shape[:1] + q.shape[2:3] for shape in leading if len(shape) >= 2), leading
+    else:
+        assert all(len(shape) <= 1 for shape in leading), leading
 
 
 def test_a_kind_spec_names_its_kind_variant_and_window():
@@ -778,3 +796,20 @@ def test_a_kind_spec_names_its_kind_variant_and_window():
         with pytest.raises(ValueError) as e:
             attention.parse_spec(spec)
         assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("path", ["exact", "fast"])
+def test_causal_padding_rows_carry_no_scale(path):
+    """Log-features far below 0 at a length that leaves padding rows in the last chunk: the padding is no
+    key (−inf), so it sets no chunk's scale, and the output is the float64 causal ratio, not an underflow."""
+    rng = np.random.default_rng(3)
+    b, h, l, f, dv = 1, 2, linear.EXACT_BLOCK + 5, 6, 3
+    lq = rng.normal(size=(b, h, l, f))
+    lk = rng.normal(size=(b, h, l, f)) - 300.0
+    v = rng.normal(size=(b, h, l, dv))
+    given = lambda ctx, a: (a, None)
+    out = linear.causal_maps(given, given, None, jnp.asarray(lq, jnp.float32), jnp.asarray(lk, jnp.float32),
+                             jnp.asarray(v, jnp.float32), chunk_size=linear.EXACT_BLOCK, path=path)
+    w = np.einsum("bhif,bhjf->bhij", np.exp(lq), np.exp(lk + 300.0)) * np.tril(np.ones((l, l)))
+    want = np.einsum("bhij,bhjd->bhid", w, v) / w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)

@@ -362,7 +362,7 @@ class RandomFeatureAttention(FeatureAttention):
         if stats is not None:
             batched = jax.tree.map(lambda a: a[None], stats) if stats.count.ndim == 1 else stats
             return self.mech.fit_statistics(batched)
-        if self.data_dependent and causal:
+        if causal:
             raise ValueError(
                 f"{self.name} ({self.mech.name}) fits its feature map to the data; in causal mode a fit "
                 "on the sequence would read the future. Pass stats= (running statistics, as the model "
@@ -438,9 +438,8 @@ class RandomFeatureAttention(FeatureAttention):
             return none, none
         if causal:
             zeros = jnp.zeros((*y.shape[:3], 0), jnp.float32)
-            sums, scale = linear.causal_sums(self.query_map, self.key_map, ctx, x, y,
-                                                   linear.ones_column(zeros), mask, self.chunk_size, "exact",
-                                                   self.causal_span)
+            sums, scale = linear.causal_sums(self.query_map, self.key_map, ctx, x, y, linear.ones_column(zeros),
+                                             mask, self.chunk_size, "exact", self.causal_span)
             den = sums[..., 0]
         else:
             (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)

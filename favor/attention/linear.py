@@ -53,8 +53,8 @@ sg = jax.lax.stop_gradient
 def jit_when_eager(*static_argnames):
     """jax.jit for an eager call (compiled once per map and shape, not op by op); inlined as plain code
     when a caller is already tracing. Why not jit always: XLA:CPU fuses a nested jit's body apart from
-    its caller, and at short lengths that split costs more than the pass (FAVOR+ at L = 256: BENCHMARKS
-    short-length-ab)."""
+    its caller, and at short lengths that split costs more than the pass (BENCHMARKS.md,
+    short-length-inline)."""
     def wrap(fn):
         jitted = partial(jax.jit, static_argnames=static_argnames)(fn)
 
@@ -227,7 +227,7 @@ def _divide_jvp(primals, tangents):
 # -- bidirectional ------------------------------------------------------------------------------------
 # The feature maps run chunk by chunk inside the passes over L, so a [chunk, F] block of features is made,
 # used and dropped while it is in cache: written as whole [L, F] arrays, the features cost more memory
-# traffic than the contractions once they leave the cache (BENCHMARKS.md, short-length-ab: the chunk
+# traffic than the contractions once they leave the cache (BENCHMARKS.md, short-length-inline: the chunk
 # sizes at L = 8192 and the whole-array sizes).
 BIDIRECTIONAL_CHUNK = 512
 # chunk_size="auto": whole arrays (no scan, no checkpoint recompute) while one [B, H, L, F] feature array
@@ -258,7 +258,7 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
         rows = lk1.shape[0] * lk1.shape[1] * max(seq_length(x), seq_length(y))
         width = lk1.shape[-1] if sk1 is None else sk1.shape[-1]
         # per-row forms (trig, HRF) keep the chunks beyond one: their backward pass through whole arrays
-        # measured slower than the chunks' recompute (BENCHMARKS.md, short-length-ab)
+        # measured slower than the chunks' recompute (BENCHMARKS.md, short-length-inline)
         small = rows * width <= WHOLE_ARRAY_ELEMENTS and not _row_scaled(lk1, sk1)
         chunk_size = None if small else BIDIRECTIONAL_CHUNK
     c = seq_length(y) if chunk_size is None else min(chunk_size, seq_length(y))
@@ -449,7 +449,9 @@ def _masked_features(fk, valid):
 
 
 def causal_sums(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span):
-    """`_causal_sums` from inputs and maps; x and y have the same length."""
+    """Σ_{j≤i} φ_q(i)ᵀφ_k(j)[v_j, 1] on query i's own scale, the features made from inputs and maps (as in
+    `causal_maps`): (out [B, H, L, Dv+1], log-scale [B, H, L]), the true sums being e^scale · out; scale
+    is −inf where query i sees no key (then out is 0). x and y have the same length."""
     l = seq_length(y)
     c = min(chunk_size, l)
     if path == "exact":       # one algorithm for the whole input: the features as whole arrays

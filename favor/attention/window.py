@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.attention import linear
-from favor.attention.linear import F32, NEG_INF, finite_or, seq_length, ones_column, ratio
+from favor.attention.linear import F32, NEG_INF, finite_or, ones_column, ratio, seq_length
 
 sg = jax.lax.stop_gradient
 MIN_BLOCK = 16            # the band's query block is max(w, MIN_BLOCK) tokens (at most L)
@@ -62,8 +62,7 @@ def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_siz
     valid = jnp.ones((1, l), bool) if valid is None else jnp.asarray(valid, bool)
     valid = jnp.pad(valid, ((0, 0), (s, 0)))[:, :l]
     y = jax.tree.map(lambda a: _shift(a, s, 0.0), y)
-    return linear.causal_sums(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size,
-                                    path, span)
+    return linear.causal_sums(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size, path, span)
 
 
 def _band(x, y, v1, has_key, left, right):

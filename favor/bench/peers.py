@@ -26,9 +26,7 @@ import numpy as np
 
 from favor import attention, runtime
 from favor.bench import sections
-from favor.bench.common import ints
-
-B, H, D, M = 1, 4, 64, 256
+from favor.bench.common import B, D, H, M, ints
 LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
 MODES = ("bidirectional", "causal")
 BURST = 3               # timed calls per turn, after one untimed call
@@ -36,21 +34,20 @@ BURST = 3               # timed calls per turn, after one untimed call
 
 def _torch():
     try:
-        import torch    # optional (the bench extra): only this subcommand needs it
-        from performer_pytorch import FastAttention    # optional (the bench extra): only this subcommand needs it
+        # optional (the bench extra): only this subcommand needs them
+        import torch
+        from performer_pytorch import FastAttention
     except ImportError as e:
         raise SystemExit(f"bench peers needs performer-pytorch and torch ({e}); "
                          "install them with: pip install -e '.[bench]'") from None
     return torch, FastAttention
 
 
-def meta(rounds, command):
+def meta(rounds, argv):
     """What a figure of this harness depends on: versions, threads, cores, rounds, the command."""
     torch, _ = _torch()
-    return {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "peer_version": version("performer-pytorch"), "rounds": rounds, "burst": BURST, "command": command,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    return sections.machine(argv, torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                            peer_version=version("performer-pytorch"), rounds=rounds, burst=BURST)
 
 
 def inputs(length, seed=0):
@@ -136,7 +133,7 @@ def markdown(table, meta, section):
         f, g = by[(length, mode, "fwd")], by[(length, mode, "fwd+bwd")]
         lines.append(f"| {length} | {mode} | {f['favor_ms']:.2f} | {f['peer_ms']:.2f} | {f['median_ratio']:.2f} | "
                      f"{g['favor_ms']:.2f} | {g['peer_ms']:.2f} | {g['median_ratio']:.2f} |")
-    return (f"## {section} (`{meta['command']}`)\n\n"
+    return (f"{sections.heading(section, meta)}\n\n"
             f"favor's FAVOR+ (fixed draw, jitted) against performer-pytorch {meta['peer_version']} "
             f"(torch {meta['torch']}, {meta['torch_threads']} threads) on {meta['backend']} ({meta['cpu_count']} "
             f"cores), jax {meta['jax']}; B = {B}, H = {H}, D = {D}, M = {M}, q, k, v ~ N(0, 0.25). Every program "
@@ -165,7 +162,7 @@ def main(args, flags, argv, parser):
     runtime.keep_host_pages()
     times = peers(lengths, modes, args.rounds)
     table = rows(times)
-    info = meta(args.rounds, "python -m favor.bench " + " ".join(argv))
+    info = meta(args.rounds, argv)
     sections.publish(args.out, args.section, markdown(table, info, args.section),
                      {"meta": info, "rows": table, "times": {"/".join(map(str, k)): v for k, v in times.items()}})
     for r in table:

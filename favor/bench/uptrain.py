@@ -161,9 +161,10 @@ def table(results, metric, steps, transfer_steps, draws) -> str:
 
 
 def plot(results, metric, path, title, transfer_steps=None):
-    import matplotlib    # plotting loads matplotlib only when a plot is drawn
+    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib.pyplot as plt
     panels = (("uptrain", "uptrained from the softmax run"), ("transfer", "attention transfer, then uptrained"),
               ("scratch", "trained from scratch"))
     fig, axes = plt.subplots(1, 3, figsize=(16, 5), sharey=True)

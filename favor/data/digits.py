@@ -13,8 +13,8 @@ class Digits(ArraySource):
 
     def __init__(self, test_fraction=0.2, split_seed=0):
         try:
-            from sklearn.datasets import load_digits    # scikit-learn takes seconds to import: loaded on use
-            from sklearn.model_selection import train_test_split    # as above
+            from sklearn.datasets import load_digits    # scikit-learn takes about a second to import: loaded on use
+            from sklearn.model_selection import train_test_split
         except ImportError as e:   # pragma: no cover - scikit-learn is a dependency
             raise RuntimeError("the digits dataset ships with scikit-learn: pip install scikit-learn") from e
         if not 0.0 < test_fraction < 1.0:

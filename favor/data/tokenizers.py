@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
+from tokenizers import BertWordPieceTokenizer
 
 from favor.data.atomic import copy_file, unique_tag
 
@@ -59,7 +61,6 @@ class Tokenizer(abc.ABC):
 
 class WordPiece(Tokenizer):
     def __init__(self, vocab_file, lowercase=True):
-        from tokenizers import BertWordPieceTokenizer    # tokenizer libraries load when a tokenizer is built
         vocab_file = Path(vocab_file)
         if not vocab_file.exists():
             raise FileNotFoundError(f"WordPiece vocabulary {vocab_file} does not exist (a BERT checkpoint's vocab.txt)")
@@ -85,7 +86,6 @@ class SentencePiece(Tokenizer):
     pad id 0 (see favor's tokenizer trainer)."""
 
     def __init__(self, model_file):
-        import sentencepiece as spm    # tokenizer libraries load when a tokenizer is built
         if not Path(model_file).exists():
             raise FileNotFoundError(f"sentencepiece model {model_file} does not exist")
         self.model_file = Path(model_file)
@@ -129,7 +129,6 @@ def train_sentencepiece(texts, output, vocab_size: int, model_type: str = "unigr
     symbols (never split, never produced from text), no bos/eos. Trained on at most `max_sentences`
     lines, sampled here with a seeded generator: sentencepiece's own sampling is unseeded, and every host
     (and every rerun) must build the same vocabulary."""
-    import sentencepiece as spm    # tokenizer libraries load when a tokenizer is built
     prefix = model_prefix(output)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     lines = (line.strip() for t in texts for line in str(t).splitlines())

@@ -22,6 +22,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file
 
 from favor.models import zoo
 from favor.models.layers import is_qk_norm_param
@@ -33,7 +34,6 @@ HEAD_PARAMS = ("mlm_", "classifier", "head")   # favor parameter paths a fine-tu
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
-    from safetensors.numpy import load_file   # imported here: only checkpoint import needs it
 
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.exists():

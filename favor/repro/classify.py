@@ -17,6 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.special import logsumexp
 
 from favor import kernels
 
@@ -48,7 +49,7 @@ def load(spec: str):
     last column is the label."""
     if spec.startswith("sklearn:"):
         name = spec.split(":", 1)[1]
-        import sklearn.datasets as skd    # scikit-learn takes seconds to import: loaded on use
+        import sklearn.datasets as skd    # scikit-learn takes about a second to import: loaded on use
         if name not in SKLEARN_SETS:
             raise ValueError(f"unknown scikit-learn set {name!r}; valid: "
                              + ", ".join(f"sklearn:{n}" for n in SKLEARN_SETS))
@@ -149,7 +150,6 @@ def _accuracy_fn(method: Method):
 
 def exact_accuracy(xq, yq, xk, yk, classes):
     """The exact kernel's accuracy, float64 numpy (the ceiling every estimate tends to)."""
-    from scipy.special import logsumexp    # scipy's submodules load on use
     xq, xk = np.asarray(xq, np.float64), np.asarray(xk, np.float64)
     logk = -0.5 * (np.sum(xq ** 2, -1)[:, None] + np.sum(xk ** 2, -1)[None, :] - 2.0 * xq @ xk.T)
     scores = np.stack([logsumexp(np.where(yk[None, :] == c, logk, -np.inf), axis=1)
@@ -194,7 +194,8 @@ def budget_features(name: str, budget: int, options=()) -> int:
 def plot_accuracies(ax, results, labels, tick, title):
     """Grouped bars: test accuracy (mean ± sd over seeds) per data set and method, the exact kernel
     in black. results[data set][label] = {"mean", "sd"}; tick(data set) labels each group."""
-    import matplotlib    # plotting loads matplotlib only when a plot is drawn
+    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib
     colours = matplotlib.colormaps["tab20"]      # the default cycle repeats after 10 methods
     dnames = list(results)
     width = 0.8 / len(labels)

@@ -26,7 +26,7 @@ REGIMES = ("normal", "sphere", "heterogen", "mnist")
 
 @functools.lru_cache(maxsize=1)
 def _digits():
-    from sklearn.datasets import load_digits    # scikit-learn takes seconds to import: loaded on use
+    from sklearn.datasets import load_digits    # scikit-learn takes about a second to import: loaded on use
     return (load_digits().data / 16.0).astype(np.float32)   # [1797, 64]
 
 

@@ -93,9 +93,10 @@ def _jsonable(x):
 def write(result: Report, out_dir: str, name: str, quick=False):
     """<out>/<name>.{png,md,json}; each written to a temporary name and renamed, so an interrupted
     run never leaves a half-written file under the final name."""
-    import matplotlib    # plotting loads matplotlib only when a plot is drawn
+    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt    # plotting loads matplotlib only when a plot is drawn
+    import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "md", "json")}

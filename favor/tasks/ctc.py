@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import jiwer
 import numpy as np
 import optax
 
@@ -61,7 +62,6 @@ def error_rates(references: list[str], hypotheses: list[str]) -> dict[str, float
     """Corpus WER and CER (jiwer: substitutions + deletions + insertions over all references, divided
     by the reference words / characters). Pairs whose reference is empty are skipped (no words to
     err on; jiwer refuses them)."""
-    import jiwer    # the WER library loads when a speech task scores
     pairs = [(r, h) for r, h in zip(references, hypotheses) if r.strip()]
     if not pairs:
         return {"wer": float("nan"), "cer": float("nan")}
