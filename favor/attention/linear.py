@@ -61,7 +61,7 @@ def jit_when_eager(*static_argnames):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             tracing = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((args, kwargs)))
-            return fn(*args, **kwargs) if tracing else jitted(*args, **kwargs)
+            return fn(*args, **kwargs) if tracing else call.jitted(*args, **kwargs)
         call.jitted = jitted
         return call
     return wrap
