@@ -119,3 +119,32 @@ def test_sincos_derivatives_are_cos_and_minus_sin():
     x64 = np.asarray(x, np.float64)
     np.testing.assert_allclose(np.asarray(ds), np.cos(x64), atol=2e-6)
     np.testing.assert_allclose(np.asarray(dc), -np.sin(x64), atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["oprf", "saderf"])
+def test_per_head_fit_with_a_shared_draw_matches_the_formula_at_large_norms(name):
+    """A fit per batch element and head with one draw for all (the attention layers' case) takes the
+    map whose per-head factors sit in the rows and whose projection matrix has no batch dims; its log
+    features equal MATH.md's formula in float64, here at norms up to 10·√d, and that matrix is one
+    operand of one matrix product."""
+    from reference import exponential_log_features
+    mech, d, m = kernels.get(name), 8, 16
+    rng = np.random.default_rng(5)
+    # per head a different spread, up to ||u|| = 10·√d, so A* and Ψ differ between heads
+    spread = np.array([0.3, 1.0, 4.0, 10.0])[None, :, None, None]
+    x = (rng.standard_normal((2, 4, 9, d)) * spread).astype(np.float32)
+    y = (rng.standard_normal((2, 4, 11, d)) * spread * 0.5 + 0.2).astype(np.float32)
+    params = mech.fit(jnp.asarray(x), jnp.asarray(y))
+    draw = mech.draw(jax.random.PRNGKey(0), m, params, "orthogonal")
+    assert draw.omega.shape == (m, d) and params.a.shape == (2, 4, d)
+    omega, log_w = np.asarray(draw.omega, np.float64), np.asarray(draw.log_weights, np.float64)
+    for u, t, maps in ((x, params.tq, mech.query_log_features), (y, params.tk, mech.key_log_features)):
+        got = np.asarray(maps(jnp.asarray(u), draw, params)[0], np.float64)
+        want = exponential_log_features(u.astype(np.float64), np.asarray(t, np.float64),
+                                        np.asarray(params.a, np.float64), omega, log_w)
+        # float32 sums of terms up to ~10²·d: the error scales with the largest term, not the result
+        scale = 1.0 + np.abs(want).max(axis=-1, keepdims=True)
+        np.testing.assert_allclose(got / scale, want / scale, atol=2e-6, err_msg=name)
+    jaxpr = jax.make_jaxpr(lambda u: mech.query_log_features(u, draw, params)[0])(jnp.asarray(x)).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [tuple(e.invars[1].aval.shape) for e in dots] == [(d + 4, m)]

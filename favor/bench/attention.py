@@ -100,8 +100,8 @@ def write(rows, out_dir, argv, section="attention-benchmark"):
                             B=B, H=H, D=D, M=M)
     name = "attention" if section == "attention-benchmark" else section
     body = (f"{sections.heading(section, meta)}\n\n"
-            f"B = {B}, H = {H}, D = {D}, feature width F = {M} for every kind, float32, {meta['backend']} "
-            f"({meta['cpu_count']} cores), jax {meta['jax']}, malloc keeps freed pages: "
+            f"B = {B}, H = {H}, D = {D}, feature width F = {M} for every kind, float32, "
+            f"{sections.where(meta)}, malloc keeps freed pages: "
             f"{meta['malloc_keeps_pages']} (favor/runtime.py). Ratios are within this one run; "
             f"'matmul' is a square matmul with the kind's own FLOP count. Raw figures: bench/{name}.json.\n\n"
             f"{table(rows)}")

@@ -59,8 +59,8 @@ def main(args, flags, argv, parser):
     meta = sections.machine(argv)
     table_rows = "\n".join(f"| {r['part']} | {r['seconds'] * 1e3:.2f} | {r['ratio']:.2f} |" for r in rows)
     body = (f"{sections.heading('favor-plus-parts', meta)}\n\n"
-            f"L = {args.length}, B = {B}, H = {H}, D = {D}, M = {M}, float32, {meta['backend']} "
-            f"({meta['cpu_count']} cores), jax {meta['jax']}. Each part timed alone (median of "
+            f"L = {args.length}, B = {B}, H = {H}, D = {D}, M = {M}, float32, "
+            f"{sections.where(meta)}. Each part timed alone (median of "
             f"{args.repeats}); ratios to a square matmul of the forward's {flops / 1e9:.2f} GFLOP "
             f"({yard * 1e3:.2f} ms), all in this one run.\n\n| part | ms | / matmul |\n|---|---|---|\n"
             f"{table_rows}")

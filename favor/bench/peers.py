@@ -135,8 +135,8 @@ def markdown(table, meta, section):
                      f"{g['favor_ms']:.2f} | {g['peer_ms']:.2f} | {g['median_ratio']:.2f} |")
     return (f"{sections.heading(section, meta)}\n\n"
             f"favor's FAVOR+ (fixed draw, jitted) against performer-pytorch {meta['peer_version']} "
-            f"(torch {meta['torch']}, {meta['torch_threads']} threads) on {meta['backend']} ({meta['cpu_count']} "
-            f"cores), jax {meta['jax']}; B = {B}, H = {H}, D = {D}, M = {M}, q, k, v ~ N(0, 0.25). Every program "
+            f"(torch {meta['torch']}, {meta['torch_threads']} threads) on "
+            f"{sections.where(meta)}; B = {B}, H = {H}, D = {D}, M = {M}, q, k, v ~ N(0, 0.25). Every program "
             f"per round in a random order, {meta['rounds']} rounds, each turn one untimed call and {meta['burst']} "
             f"timed (their mean); ms are minima, favor / peer the median of per-round ratios (below 1: favor "
             f"faster). Raw figures: bench/{section}.json.\n\n" + "\n".join(lines))

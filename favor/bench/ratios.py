@@ -110,7 +110,7 @@ def write_ratios(rows, times, length, rounds, out_dir, argv, section="attention-
     times_lines += [f"| {e} | {t['min_ms']:.2f} | {t['median_ms']:.2f} |" for e, t in sorted(times.items())]
     body = (f"{sections.heading(section, meta)}\n\n"
             f"L = {length}, B = {B}, H = {H}, D = {D}, feature width F = {M} for every kind, float32, "
-            f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}. Forward passes ('+grad': "
+            f"{sections.where(meta)}. Forward passes ('+grad': "
             f"forward and backward) timed round-robin, {rounds} rounds, "
             f"each round every program once in a random order (load falls on all alike); the verdict reads the "
             f"median of the per-round ratios. 'matmul:' is a square matmul scaled to the kind's FLOP count. "

@@ -45,8 +45,16 @@ def publish(out_dir, section, body, payload, json_name=None):
 def machine(argv, **extra):
     """What every figure depends on: jax, backend, cores, the command (and XLA_FLAGS) that ran it."""
     return {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+            "device": jax.devices()[0].device_kind,
             "machine": platform.machine(), "command": "python -m favor.bench " + " ".join(argv),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), **extra}
+
+
+def where(meta):
+    """'cpu (2 cores), jax 0.10.2' or 'gpu (NVIDIA H100 80GB HBM3; 16 cores), jax 0.11.2': the machine a
+    section's figures come from, as every section's text names it."""
+    device = "" if meta["backend"] == "cpu" or not meta.get("device") else f"{meta['device']}; "
+    return f"{meta['backend']} ({device}{meta['cpu_count']} cores), jax {meta['jax']}"
 
 
 def heading(section, meta):

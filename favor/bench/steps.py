@@ -70,7 +70,7 @@ def write_steps(times, config_spec, rounds, out_dir, argv, reference="favor+", t
               f"{fmt(r['ratio'])} | {verdict(r)} |" for r in rows]
     body = (f"{sections.heading(section, meta)}\n\n"
             f"`{config_spec}`'s training step (forward, backward, optimizer; the config's batch) for each kind, "
-            f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}: every kind's step once per round "
+            f"{sections.where(meta)}: every kind's step once per round "
             f"in a random order, {rounds} rounds; the ratio is the median of the per-round ratios to "
             f"{reference}'s step. Raw figures: bench/{section}.json.\n\n" + "\n".join(lines))
     sections.publish(out_dir, section, body, {"meta": meta, "rows": rows, "times": times})

@@ -38,7 +38,7 @@ def train(config, metric, target, lower_is_better, flags, out_dir, section, argv
     verdict = (f"{metric} {'<' if lower_is_better else '>'} {target} first at step {first['step']}, "
                f"{first['seconds']:.0f} s after the run started" if first else f"{metric} never reached {target}")
     body = (f"{sections.heading(section, meta)}\n\n"
-            f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}; seconds count from the start of "
+            f"{sections.where(meta)}; seconds count from the start of "
             f"`trainer.run` (data preparation, compilation and evaluation included); the whole process took "
             f"{wall:.0f} s. {verdict}. Raw figures: bench/{section}.json.\n\n" + "\n".join(rows))
     sections.publish(out_dir, section, body, {"meta": meta, "evals": evals})

@@ -217,7 +217,7 @@ def write(args, argv, results, section, name, wall):
              if args.metric == "accuracy" else f"{name}: {args.metric} per attention kind from a softmax run")
     plot(results, args.metric, out / f"{section}.png", title, args.transfer_steps)
     body = (f"{sections.heading(section, meta)}\n\n"
-            f"{meta['backend']} ({meta['cpu_count']} cores), jax {meta['jax']}; {wall / 60:.0f} min for this "
+            f"{sections.where(meta)}; {wall / 60:.0f} min for this "
             f"invocation (runs it reused from an earlier one not counted). "
             f"Eval {args.metric} ({'%' if args.metric == 'accuracy' else 'value'}) of each kind started from a "
             f"softmax run's parameters: day 0 (no training), after {args.steps} steps of uptraining without and "

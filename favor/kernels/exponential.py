@@ -53,6 +53,9 @@ class ExpParams:
     # "identity" | "diagonal" | "orthogonal" | "dense": lets the feature map skip work (an identity
     # or orthogonal T keeps ||x'|| = ||x||; T folds into the projection either way)
     transform: str = static("dense")
+    # a_l the same for every l (OPRF's A*, GERF's a, FAVOR+'s 0): with an identity or diagonal T the whole
+    # map then has one projection matrix for every batch element and head (_log_features)
+    uniform_a: bool = static(False)
 
     @property
     def dim(self):
@@ -111,6 +114,7 @@ class ExponentialMechanism(Mechanism):
     positive = True
     OPTIONS = {"importance_sampling": False}
     TRANSFORM = "identity"
+    UNIFORM_A = True      # _transforms' a: OPRF's A* for every coordinate (SDERF: one per eigendirection)
 
     def __init__(self, **options):
         self.options = options
@@ -150,10 +154,11 @@ class ExponentialMechanism(Mechanism):
         tq, tk = jnp.where(seen[..., None], tq, eye), jnp.where(seen[..., None], tk, eye)
         a = jnp.where(seen, a, 0.0)
         if not self.importance:
-            return dataclasses.replace(identity_params(bs, d, a), tq=tq, tk=tk, transform=self.TRANSFORM)
+            return dataclasses.replace(identity_params(bs, d, a), tq=tq, tk=tk, transform=self.TRANSFORM,
+                                       uniform_a=self.UNIFORM_A)
         mean, prec, scale, logdet = _importance_proposal(m.transformed(tq, tk), a)
         return ExpParams(tq=tq, tk=tk, a=a, prop_mean=mean, prop_prec=prec, prop_scale=scale,
-                         prop_logdet=logdet, importance=True, transform=self.TRANSFORM)
+                         prop_logdet=logdet, importance=True, transform=self.TRANSFORM, uniform_a=self.UNIFORM_A)
 
     def fit(self, x, y, x_mask=None, y_mask=None):
         return self.fit_statistics(self.statistics(x, y, x_mask, y_mask))
@@ -189,6 +194,9 @@ class ExponentialMechanism(Mechanism):
     def _log_features(self, u, t, w, params):
         u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
         a = params.a
+        if (params.uniform_a and params.transform in ("identity", "diagonal") and a.ndim > 1
+                and w.omega.ndim == 2 and w.log_weights.ndim == 1):
+            return self._shared_log_features(u, t, w, params), None
         wb = w.omega * jnp.sqrt(1.0 - 4.0 * a)[..., None, :]          # rows √(1−4a_l)·ω_l
         m = w.omega.shape[-2]
         # per-feature constant: Σ_l ¼log(1−4a_l) + a_l ω_l², half the log-weight, and 1/√M
@@ -213,6 +221,25 @@ class ExponentialMechanism(Mechanism):
                                jnp.broadcast_to(const, (*batch, m))[..., None, :]], -2)
         aug = jnp.concatenate([u, sq, jnp.ones_like(sq)], -1)
         return aug @ mat, None
+
+    def _shared_log_features(self, u, t, w, params):
+        """The map of a per-head fit with one a for every coordinate and a draw shared by every head: the
+        per-head factors go into the rows, [u'·√(1−4a), ||u'||², 1, a, ¼d·log(1−4a)] @ [ωᵀ; −½; c; ||ω||²; 1]
+        with u' = u·T (T identity or diagonal) and c the per-feature log-weight and 1/√M, so one [d + 4, M]
+        matrix serves every batch element and head (a constant of the program for a fixed draw) and the
+        projection is one matrix product, not one per head."""
+        d, m = params.dim, w.omega.shape[-2]
+        a = params.a[..., :1, None]                                          # [..., 1, 1]
+        if params.transform == "diagonal":
+            u = u * jnp.diagonal(t, axis1=-2, axis2=-1)[..., None, :]
+        sq = jnp.sum(u * u, -1, keepdims=True)
+        ones = jnp.ones_like(sq)
+        rows = jnp.concatenate([u * jnp.sqrt(1.0 - 4.0 * a), sq, ones, a * ones,
+                                0.25 * d * jnp.log1p(-4.0 * a) * ones], -1)
+        const = 0.5 * w.log_weights - 0.5 * math.log(m)
+        mat = jnp.concatenate([_mT(w.omega), jnp.full((1, m), -0.5, jnp.float32), const[None],
+                               jnp.sum(w.omega * w.omega, -1)[None], jnp.ones((1, m), jnp.float32)], 0)
+        return rows @ mat
 
     def query_log_features(self, x, w, params):
         return self._log_features(x, params.tq, w, params)
@@ -378,6 +405,7 @@ class SDERF(ExponentialMechanism):
 
     name = "sderf"
     TRANSFORM = "orthogonal"
+    UNIFORM_A = False
 
     def _transforms(self, m):
         cross = m.mean_x[..., :, None] * m.mean_y[..., None, :]
