@@ -15,19 +15,19 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py --config configs/default.py --workdir runs/default
 
-# A test whose xdist worker *process* dies (a native crash) is run once more in a fresh worker; a test
-# that fails its assertions is never rerun. Why: full runs here have lost a worker to a crash inside
-# XLA or other native code, in a different test each time (segfaults in XLA compilation, an abort in an
-# XLA computation, a hang in array_record's thread pool), tests that pass alone; the cause is not found
-# yet. A test still running after 600 s (the
-# longest take ~100 s) is taken for hung: its worker exits, which counts as such a crash.
-RERUN_CRASHES := --reruns 1 --only-rerun "worker 'gw[0-9]+' crashed" --timeout 600 --timeout-method thread
+# A test still running after 600 s (the longest take ~100 s) is taken for hung and fails, naming
+# itself, instead of holding the suite. No test is rerun: the native crashes that once took down a
+# worker in full runs (segfaults and "LLVM ERROR: Unable to allocate section memory" in XLA
+# compilation) have not recurred in the eight full runs logged since each test module releases its
+# compiled programs (tests/conftest.py), and no test process loads torch beside jaxlib any more
+# (tests/hf_reference.py): a crash now fails the suite, to be found, not retried.
+PYTEST_FLAGS := --timeout 600 --timeout-method thread
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto $(RERUN_CRASHES)
+	$(PY) -m pytest -q -n auto $(PYTEST_FLAGS)
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -n auto -m "not slow" $(RERUN_CRASHES)
+	$(PY) -m pytest -q -n auto -m "not slow" $(PYTEST_FLAGS)
 
 clean:
 	rm -rf $(VENV)

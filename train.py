@@ -123,11 +123,11 @@ def main(argv):
                                    process_id=PROCESS_ID.value)
     config = CONFIG.value
     try:
-        configlib.validate(config)        # trainer.run checks again; here the error is one line, not a traceback
+        configlib.validate(config)        # job.run checks again; here the error is one line, not a traceback
     except configlib.ConfigError as e:
         fail(str(e))
-    from favor import trainer
-    summary = trainer.run(config, FLAGS.value)
+    from favor import job
+    summary = job.run(config, FLAGS.value)
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
     fixed = {"step", "train_loss", "steps_per_second", "attention", "checkpoint_dir", "tensorboard_dir", "preempted",

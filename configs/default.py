@@ -13,7 +13,7 @@ in under 5 minutes on 2 CPU cores (see README for the measured figure and the so
 `sweep()` yields the kernel ablation, every kind × `seeds` seeds, as override dicts:
 
     python launch/sweep_local.py --config configs/default.py --workdir runs/ablation
-    python -m favor.report runs/ablation --plot runs/ablation/report.png
+    python -m favor.tools.report runs/ablation --plot runs/ablation/report.png
     configs/default.py:seeds=3           three seeds per kind (get_config ignores the sweep's args)
     configs/default.py:seeds=3,qk_norms=none+l2   every kind with and without queries and keys on a sphere
     configs/default.py:kinds=favor+hrf,redraws=step+fixed+every:100,qk_norm=l2   the redraw study
@@ -70,7 +70,7 @@ def get_config(arg=None):
 
 
 def sweep(arg=None):
-    """The kernel ablation: every attention kind (or `kinds`), each with `seeds` seeds (favor.report
+    """The kernel ablation: every attention kind (or `kinds`), each with `seeds` seeds (favor.tools.report
     averages them); `qk_norms=none+l2` and `redraws=step+fixed+every:100` add those axes."""
     args = _args(arg)
     if int(args.seeds) < 1:

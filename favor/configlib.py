@@ -22,7 +22,7 @@ import ml_collections
 
 from favor import attention as attention_lib
 from favor import data, models, sharding, tasks, uptrain
-from favor import optim as optim_lib
+from favor.train import optim as optim_lib
 from favor.attention import qknorm, schedule
 from favor.sharding import DEFAULT_RULES, MESH_AXES
 
@@ -82,7 +82,7 @@ def run_config(*, total_steps: int, batch_size: int, eval_batch_size: int, every
     c.sharding_rules = dict(DEFAULT_RULES)
     c.prefetch = 2                     # host batches read ahead on a thread (0: read in the loop)
     # a run that starts from another model's parameters (model.init_from) may first train the model
-    # around its attention to imitate that model's softmax attention (favor.transfer)
+    # around its attention to imitate that model's softmax attention (favor.uptrain.transfer)
     c.uptrain = {"transfer_steps": 0, "trainable": "query_key", "lr": 1e-3}
     return c
 
@@ -94,7 +94,7 @@ _INT_OPTIM = ("warmup_steps", "accumulate_steps")
 
 
 def optim(**overrides) -> ml_collections.ConfigDict:
-    """The `config.optim` block (favor.optim reads it): OPTIM_DEFAULTS with `overrides`.
+    """The `config.optim` block (favor.train.optim reads it): OPTIM_DEFAULTS with `overrides`.
 
     Numbers are stored as float or int by key, whatever the caller wrote (`lr=1` is 1.0): a locked
     config types each field by its value, and `--config.optim.lr=0.5` must parse against a float."""

@@ -2,9 +2,9 @@
 
 XLA:CPU allocates each program's outputs and temporaries afresh on every call. glibc's malloc hands
 blocks of 32 MiB and more straight to mmap and returns them with munmap on free, so every call of a
-long-sequence program page-faults (and the kernel zeroes) all of its large buffers again: at
-L = 8192 an elementwise op over a [4, 8192, 256] float32 array costs 8.4 ms that way against 2.1 ms
-with the pages kept (measured on this project's 2-core CI machine). Raising malloc's mmap and trim
+long-sequence program page-faults (and the kernel zeroes) all of its large buffers again: an
+elementwise op over a [4, 8192, 256] float32 array costs about 4× as much that way as with the pages
+kept (BENCHMARKS.md, design-measurements). Raising malloc's mmap and trim
 thresholds keeps freed pages in the heap for reuse. It changes speed only, never results, and the
 benchmark applies it to every kind alike, exact softmax and the matmul yardstick included.
 """

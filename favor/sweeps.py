@@ -7,7 +7,7 @@
 Each item is an override dict ({"model.attention.kind": "favor#", "seed": 1}); a run gets
 `--config.<key>=<value>` flags and a workdir named after its overrides (`kind=favor#_seed=1`).
 launch/sweep_local.py runs them here, launch/slurm_gpu.sbatch as an array job, launch/tpu_pod.sh on a
-pod; `python -m favor.report <sweep dir>` compares them.
+pod; `python -m favor.tools.report <sweep dir>` compares them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Iterator, Mapping, Sequence
 from favor import configlib
 
 # Keys that only pick a random stream: runs that differ in these alone are repeats of one setting
-# (favor.report averages them).
+# (favor.tools.report averages them).
 SEED_KEYS = ("seed",)
 
 

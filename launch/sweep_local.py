@@ -3,11 +3,11 @@
     python launch/sweep_local.py --config configs/default.py --workdir runs/sweep [--parallel N]
         [--only 0,3-5] [--dry-run] [--count] [--fail-fast] [--devices-per-run K]
         [-- --config.total_steps=500 ...]            (extra flags go to every run)
-    python -m favor.report runs/sweep --plot runs/sweep/report.png
+    python -m favor.tools.report runs/sweep --plot runs/sweep/report.png
 
 The config module's `sweep()` yields override dicts, products of several keys included
 (favor.sweeps.product); each run gets `--config.<key>=<value>` flags and its own workdir
-`<workdir>/<name>` named after them. `<workdir>/sweep.json` lists every run (favor.report lists the
+`<workdir>/<name>` named after them. `<workdir>/sweep.json` lists every run (favor.tools.report lists the
 ones that never started too) and each run's `sweep_status.json` says running / finished / failed.
 
 Rerunning the same command skips the finished runs and resumes the others from their checkpoints
@@ -18,7 +18,7 @@ checkpoint and stop.
 --parallel N: at most the number of CPU cores (each run needs one) and, with --devices-per-run K, the
 GPUs this process sees divided by K (each run gets its own CUDA_VISIBLE_DEVICES). Runs that share a
 machine share its cores: their steps/s are lower than alone, so compare speed only between runs of one
-sweep (favor.report's table says how many ran at once). With N > 1 each run's output goes to
+sweep (favor.tools.report's table says how many ran at once). With N > 1 each run's output goes to
 `<run>/train.log`.
 
 On SLURM, launch/slurm_gpu.sbatch runs one array task per run through `--only $SLURM_ARRAY_TASK_ID`.
@@ -260,7 +260,7 @@ def main(argv=None):
         print("sweep: stopped" + "".join(f"\n  {run.index} {run.name}" for run in sweep.stopped) +
               "\nrerun the same command to resume", file=sys.stderr, flush=True)
         sys.exit(143)
-    print(f"sweep: done; compare with  python -m favor.report {workdir}", flush=True)
+    print(f"sweep: done; compare with  python -m favor.tools.report {workdir}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 # WORKDIR on a filesystem every host mounts (each host's launcher reads the runs' status files):
 #
 #   launch/tpu_pod.sh --sweep TPU_NAME ZONE WORKDIR -- --config configs/bert_glue.py [--config.x=y ...]
-#   python -m favor.report WORKDIR --plot WORKDIR/report.png
+#   python -m favor.tools.report WORKDIR --plot WORKDIR/report.png
 #
 # WORKDIR must be storage every host sees (a gs:// bucket or a shared filesystem): orbax writes each
 # host's shards of a checkpoint there and process 0 commits it. The repository's committed tree (HEAD)

@@ -6,11 +6,14 @@ Tolerances are Z standard errors with Z = 5 and fixed seeds: deterministic, and 
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 # One persistent XLA compilation cache per test session, shared by the xdist workers (they inherit the
 # controller's environment) and by the train.py / bench subprocesses the tests start: a program that
-# several processes or tests build anew (every trainer.run re-jits its steps; each subprocess starts
+# several processes or tests build anew (every job.run re-jits its steps; each subprocess starts
 # cold; both workers compile the same small eager ops) is compiled once. An executable is reused only
 # for the identical program, devices and compile options (programs with host callbacks are never
 # stored), so every test runs exactly the computation it ran before. The session's directory is
@@ -54,6 +57,27 @@ def _release_compiled_programs():
     cache above serves the ones they do."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_torch_in_test_processes(request):
+    """No test process loads torch: its side runs in a subprocess (tests/hf_reference.py says why)."""
+    yield
+    assert "torch" not in sys.modules, (f"{request.module.__name__} loaded torch in a test process; run the "
+                                        "torch side in a subprocess (tests/hf_reference.py)")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tmp_path_factory):
+    """A directory of tiny random Hugging Face checkpoints, one per case of tests/hf_reference.py, each
+    with the torch outputs on that file's inputs (reference.npz). Made by a process of its own: no test
+    process loads torch (tests/hf_reference.py says why)."""
+    out = tmp_path_factory.mktemp("hf_reference")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_reference.py")), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"tests/hf_reference.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return out
 
 
 def xla_flags(*flags):

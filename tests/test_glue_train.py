@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from favor import trainer
+from favor import job
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -28,29 +28,23 @@ def vocab(tmp_path_factory):
 def test_glue_runlocal_trains_and_reports_the_task_metrics(task, vocab, tmp_path):
     config = bert_glue.get_config(f"task={task},vocab={vocab},runlocal")
     with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
-        summary = trainer.run(config, tmp_path)
+        summary = job.run(config, tmp_path)
     expected = {"cola": {"matthews_corrcoef"}, "stsb": {"pearson", "spearman"}, "mnli": {"accuracy"}}[task]
     assert expected <= set(summary) and summary["step"] == 12
     assert all(np.isfinite(summary[m]) for m in expected) and np.isfinite(summary["train_loss"])
 
 
-def test_warm_start_from_hugging_face_bert(vocab, tmp_path):
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-    torch.manual_seed(0)
-    ref = BertForSequenceClassification(BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=1,
-                                                   num_attention_heads=2, intermediate_size=64,
-                                                   max_position_embeddings=32, num_labels=2))
-    ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
+def test_warm_start_from_hugging_face_bert(vocab, tmp_path, hf_reference):
+    ref = np.load(hf_reference / "glue" / "reference.npz")       # a BERT with a sequence classifier
     config = bert_glue.get_config(f"task=sst2,vocab={vocab},runlocal")
-    config.model.init_from = f"hf:{tmp_path / 'hf'}"
+    config.model.init_from = f"hf:{hf_reference / 'glue'}"
     config.total_steps = 0                     # no step: the final params are the checkpoint's
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
-        summary = trainer.run(config, tmp_path / "run")
+        summary = job.run(config, tmp_path / "run")
     params = summary.state["params"]
     w = np.asarray(params["layers"][0]["attention"]["query"]["kernel"][...])
-    np.testing.assert_allclose(w, ref.bert.encoder.layer[0].attention.self.query.weight.detach().numpy().T, atol=1e-6)
+    np.testing.assert_allclose(w, ref["layer0_query_weight"].T, atol=1e-6)
     config.model.init_from = "bert-base-uncased"
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
         with pytest.raises(ValueError, match="must be '' .fresh weights. or name a source: expected 'run:<workdir>'"):
-            trainer.run(config, tmp_path / "bad")
+            job.run(config, tmp_path / "bad")

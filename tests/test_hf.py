@@ -1,102 +1,69 @@
 """Hugging Face import: tiny random BERT/ViT models built with transformers (torch CPU) are saved,
 imported with favor.models.hf.load, and must give the same hidden states (softmax attention).
-transformers has no Flax models; torch is only the reference here."""
+transformers has no Flax models; torch is only the reference here, and it runs in a process of its
+own (tests/hf_reference.py, the `hf_reference` fixture): these tests read its checkpoints and outputs."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from safetensors.numpy import load_file, save_file
-from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, ViTConfig,
-                          ViTForImageClassification, ViTModel)
-
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from favor import models
+from hf_reference import inputs
 
 TOL = 1e-4
 
-BERT = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-            max_position_embeddings=40, type_vocab_size=2)
-VIT = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-           intermediate_size=48)
 
-
-def save(model, path):
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+def reference(root, case):
+    return root / case, dict(np.load(root / case / "reference.npz"))
 
 
 def bert_inputs():
-    rng = np.random.RandomState(0)
-    ids = rng.randint(0, 101, (3, 14))
-    types = rng.randint(0, 2, (3, 14))
-    mask = np.ones((3, 14), np.int64)
-    mask[1, 9:] = 0
-    mask[2, 4:] = 0
-    return ids, types, mask
+    ids, types, mask, _ = inputs()
+    return jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask), mask.astype(bool)
 
 
-def run_hf_bert(model, ids, types, mask):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types),
-                     attention_mask=torch.tensor(mask), output_hidden_states=True)
-
-
-@pytest.mark.parametrize("cls", [BertModel, BertForMaskedLM, BertForSequenceClassification])
-def test_bert_matches_hugging_face(tmp_path, cls):
-    torch.manual_seed(0)
-    ref_model = cls(BertConfig(**BERT, num_labels=3))
-    path = save(ref_model, tmp_path / cls.__name__)
-    ids, types, mask = bert_inputs()
-    ref = run_hf_bert(ref_model, ids, types, mask)
-    ours = models.hf.load(path)(jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask))
-    valid = mask.astype(bool)
-    ref_hidden = ref.hidden_states[-1].numpy() if cls is not BertModel else ref.last_hidden_state.numpy()
+@pytest.mark.parametrize("case", ["BertModel", "BertForMaskedLM", "BertForSequenceClassification"])
+def test_bert_matches_hugging_face(hf_reference, case):
+    path, ref = reference(hf_reference, case)
+    ids, types, mask, valid = bert_inputs()
+    ours = models.hf.load(path)(ids, types, mask)
+    ref_hidden = ref["last_hidden_state"] if case == "BertModel" else ref["hidden"]
     assert np.max(np.abs(np.asarray(ours["hidden_states"]) - ref_hidden)[valid]) < TOL
-    if cls is BertModel:
-        np.testing.assert_allclose(np.asarray(ours["pooled"]), ref.pooler_output.numpy(), atol=TOL)
-    elif cls is BertForMaskedLM:
-        assert np.max(np.abs(np.asarray(ours["logits"]) - ref.logits.numpy())[valid]) < TOL
+    if case == "BertModel":
+        np.testing.assert_allclose(np.asarray(ours["pooled"]), ref["pooler_output"], atol=TOL)
+    elif case == "BertForMaskedLM":
+        assert np.max(np.abs(np.asarray(ours["logits"]) - ref["logits"])[valid]) < TOL
     else:
-        np.testing.assert_allclose(np.asarray(ours["logits"]), ref.logits.numpy(), atol=TOL)
+        np.testing.assert_allclose(np.asarray(ours["logits"]), ref["logits"], atol=TOL)
 
 
-def test_bert_regression_head(tmp_path):
-    torch.manual_seed(1)
-    ref_model = BertForSequenceClassification(BertConfig(**BERT, num_labels=1))
-    path = save(ref_model, tmp_path / "stsb")
-    ids, types, mask = bert_inputs()
-    ref = run_hf_bert(ref_model, ids, types, mask)
+def test_bert_regression_head(hf_reference):
+    path, ref = reference(hf_reference, "stsb")
+    ids, types, mask, _ = bert_inputs()
     model = models.hf.load(path)
     assert model.config["head"] == "regression"
-    out = model(jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask))
-    np.testing.assert_allclose(np.asarray(out["logits"]), ref.logits.numpy()[:, 0], atol=TOL)
+    np.testing.assert_allclose(np.asarray(model(ids, types, mask)["logits"]), ref["logits"][:, 0], atol=TOL)
 
 
-@pytest.mark.parametrize("cls", [ViTModel, ViTForImageClassification])
-def test_vit_matches_hugging_face(tmp_path, cls):
-    torch.manual_seed(0)
-    ref_model = cls(ViTConfig(**VIT, num_labels=5))
-    path = save(ref_model, tmp_path / cls.__name__)
-    images = np.random.RandomState(0).normal(size=(2, 16, 16, 3)).astype(np.float32)
-    with torch.no_grad():
-        ref = ref_model(pixel_values=torch.tensor(images.transpose(0, 3, 1, 2)), output_hidden_states=True)
-    ours = models.hf.load(path)(jnp.asarray(images))
-    if cls is ViTModel:
-        np.testing.assert_allclose(np.asarray(ours["hidden_states"]), ref.last_hidden_state.numpy(), atol=TOL)
-        np.testing.assert_allclose(np.asarray(ours["pooler_output"]), ref.pooler_output.numpy(), atol=TOL)
+@pytest.mark.parametrize("case", ["ViTModel", "ViTForImageClassification"])
+def test_vit_matches_hugging_face(hf_reference, case):
+    path, ref = reference(hf_reference, case)
+    ours = models.hf.load(path)(jnp.asarray(inputs()[3]))
+    if case == "ViTModel":
+        np.testing.assert_allclose(np.asarray(ours["hidden_states"]), ref["last_hidden_state"], atol=TOL)
+        np.testing.assert_allclose(np.asarray(ours["pooler_output"]), ref["pooler_output"], atol=TOL)
     else:
-        np.testing.assert_allclose(np.asarray(ours["logits"]), ref.logits.numpy(), atol=TOL)
+        np.testing.assert_allclose(np.asarray(ours["logits"]), ref["logits"], atol=TOL)
 
 
-def test_uptraining_import_keeps_the_parameter_tree(tmp_path):
-    torch.manual_seed(0)
-    path = save(BertForMaskedLM(BertConfig(**BERT)), tmp_path / "mlm")
+def test_uptraining_import_keeps_the_parameter_tree(hf_reference):
+    path, _ = reference(hf_reference, "BertForMaskedLM")
     soft = models.hf.load(path)
     fav = models.hf.load(path, attention={"kind": "favor++", "num_features": 512})
     tree = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Param))
@@ -104,26 +71,23 @@ def test_uptraining_import_keeps_the_parameter_tree(tmp_path):
     assert jnp.array_equal(a["word_embeddings"]["embedding"], b["word_embeddings"]["embedding"])
     assert jax.tree.structure(a) == jax.tree.structure(b)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    ids, types, mask = bert_inputs()
-    out_s = soft(jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask))["hidden_states"]
-    out_f = fav(jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask))["hidden_states"]
-    valid = mask.astype(bool)
+    ids, types, mask, valid = bert_inputs()
+    out_s = soft(ids, types, mask)["hidden_states"]
+    out_f = fav(ids, types, mask)["hidden_states"]
     # FAVOR++ with many features approximates the imported softmax model (not exactly)
     err = np.abs(np.asarray(out_f) - np.asarray(out_s))[valid]
     assert np.all(np.isfinite(err)) and 0 < err.mean() < 0.1
 
 
-def test_fine_tuning_head_is_fresh_and_named(tmp_path):
-    torch.manual_seed(0)
-    path = save(BertModel(BertConfig(**BERT)), tmp_path / "encoder")
+def test_fine_tuning_head_is_fresh_and_named(hf_reference):
+    path, _ = reference(hf_reference, "BertModel")
     with pytest.warns(UserWarning, match="newly initialised.*classifier"):
         model = models.hf.load(path, head="classification", num_labels=4)
-    assert model(jnp.asarray(bert_inputs()[0]))["logits"].shape == (3, 4)
+    assert model(bert_inputs()[0])["logits"].shape == (3, 4)
 
 
-def test_unknown_or_missing_tensors_are_named(tmp_path):
-    torch.manual_seed(0)
-    path = save(BertModel(BertConfig(**BERT)), tmp_path / "bert")
+def test_unknown_or_missing_tensors_are_named(hf_reference, tmp_path):
+    path = shutil.copytree(hf_reference / "BertModel", tmp_path / "bert")      # edited below
     tensors = load_file(str(path / "model.safetensors"))
     extra = dict(tensors, **{"encoder.layer.0.attention.self.rotary.weight": np.zeros((2,), np.float32)})
     save_file(extra, str(path / "model.safetensors"))
@@ -142,4 +106,3 @@ def test_unknown_or_missing_tensors_are_named(tmp_path):
         models.hf.load(path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         models.hf.load(tmp_path / "nowhere")
-

@@ -12,7 +12,7 @@ import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from favor import data, trainer
+from favor import data, job
 from favor.data import augment
 from favor.data.imagenet import ImageNet
 from favor.tasks.classification import Classification
@@ -221,7 +221,7 @@ def test_source_on_mock_imagenet_is_deterministic_and_shaped():
 def test_vit_imagenet_runlocal_trains_and_reports_top1_and_top5(tmp_path):
     config = vit_imagenet.get_config("runlocal")
     with mock(24):
-        summary = trainer.run(config, tmp_path)
+        summary = job.run(config, tmp_path)
     assert summary["step"] == 4 and np.isfinite(summary["train_loss"])
     assert 0.0 <= summary["accuracy"] <= summary["top5_accuracy"] <= 1.0
 

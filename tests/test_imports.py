@@ -80,7 +80,7 @@ def test_no_module_imports_itself_through_others():
 
 
 def test_no_folder_imports_itself_through_others():
-    """favor.bench.* -> favor.trainer -> favor.bench.* would be a circle between places."""
+    """favor.bench.* -> favor.job -> favor.bench.* would be a circle between places."""
     unit = lambda name: ".".join(name.split(".")[:2])
     folders = collections.defaultdict(set)
     for name, targets in _graph(_modules()).items():
@@ -92,3 +92,14 @@ def test_the_graph_sees_a_circle():
     """The check itself: a hand-made circle is found, a chain is not."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_every_command_entry_point_names_a_function():
+    """pyproject's [project.scripts]: each 'module:function' imports and is callable."""
+    import importlib
+    import tomllib
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) >= {"favor-inspect", "favor-report", "favor-demo"}
+    for name, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), name

@@ -1,4 +1,4 @@
-"""`python -m favor.inspect`: per layer and head, each kind's attention error against softmax on a
+"""`python -m favor.tools.inspect`: per layer and head, each kind's attention error against softmax on a
 trained run's own evaluation inputs."""
 
 import json
@@ -6,14 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from favor import inspect as favor_inspect, trainer
+from favor import job
+from favor.tools import inspect as favor_inspect
 from test_train import tiny
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("inspect") / "run"
-    trainer.run(tiny(total_steps=30, checkpoint_every=30, eval_every=30, log_every=30), workdir)
+    job.run(tiny(total_steps=30, checkpoint_every=30, eval_every=30, log_every=30), workdir)
     return workdir
 
 
@@ -79,7 +80,7 @@ def test_sign_indefinite_kinds_train_without_nonpositive_denominators(kind, tmp_
     config = tiny(**{"model.attention.kind": kind, "model.attention.qk_norm": "l2", "total_steps": 192,
                      "model.attention.num_features": 128,
                      "eval_every": 96, "checkpoint_every": 96})
-    summary = trainer.run(config, tmp_path / "run")
+    summary = job.run(config, tmp_path / "run")
     assert summary["accuracy"] > 0.3, summary                       # chance is 0.1
     result = favor_inspect.inspect(tmp_path / "run", kinds=(kind, "favor+"), num_features=(None,), batches=2,
                                    log=print)
@@ -98,7 +99,7 @@ def test_a_fixed_draw_run_is_inspected_on_its_stored_draw(tmp_path):
     another kind's (a fresh draw) do."""
     config = tiny(**{"model.attention.kind": "favor", "model.attention.redraw": "fixed", "total_steps": 16,
                      "eval_every": 16, "checkpoint_every": 16})
-    trainer.run(config, tmp_path / "run")
+    job.run(config, tmp_path / "run")
     a, b = (favor_inspect.inspect(tmp_path / "run", kinds=("favor", "favor+"), batches=1, seed=s, log=print)
             for s in (0, 1))
     assert a["own_draw"] == ["favor (F=16)"]

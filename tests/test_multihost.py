@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from favor import trainer
+from favor import job
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,7 +32,7 @@ def test_two_processes_match_one(tmp_path):
 
     config = default.get_config("runlocal")
     config.total_steps, config.eval_every, config.checkpoint_every, config.log_every = 4, 4, 2, 2
-    one = trainer.run(config, tmp_path / "one")
+    one = job.run(config, tmp_path / "one")
     assert two["step"] == one["step"] == 4
     for k in ("train_loss", "loss", "accuracy"):
         assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k

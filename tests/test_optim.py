@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from favor import configlib, models, optim
+from favor import configlib, models
+from favor.train import optim
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
 
-from favor import data, trainer
+from favor import data, job
 from favor.data import audio, speech
 from favor.tasks import ctc
 
@@ -172,7 +172,7 @@ def test_librispeech_runlocal_trains_and_reports_wer(tmp_path):
     config = conformer_librispeech.get_config("runlocal")
     config.data.data_dir = str(tmp_path)        # the tokenizer trained on the mock text is cached here
     with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
-        summary = trainer.run(config, tmp_path / "run")
+        summary = job.run(config, tmp_path / "run")
     assert summary["step"] == config.total_steps
     assert {"wer", "cer", "loss"} <= set(summary)
     assert np.isfinite(summary["wer"]) and np.isfinite(summary["cer"]) and np.isfinite(summary["train_loss"])

@@ -1,5 +1,5 @@
 """Sweeps end in a comparison: sweep products and names, the local launcher (parallel, skip finished,
-failures listed), and favor.report's table, seed statistics and plot."""
+failures listed), and favor.tools.report's table, seed statistics and plot."""
 
 import json
 import os
@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import report, sweeps
+from favor import sweeps
+from favor.tools import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +130,7 @@ def test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports(tmp_pa
     assert summary["num_params"] == sum(np.asarray(x).size for x in __import__("jax").tree.leaves(restored["params"]))
     assert summary["wall_seconds"] > 0
 
-    out = subprocess.run([sys.executable, "-m", "favor.report", str(sweep_dir), "--plot", str(tmp_path / "r.png"),
+    out = subprocess.run([sys.executable, "-m", "favor.tools.report", str(sweep_dir), "--plot", str(tmp_path / "r.png"),
                           "--json", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads((tmp_path / "r.json").read_text())
@@ -146,7 +147,7 @@ def test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports(tmp_pa
     assert f"- {names[2]}: error: config.model.attention.kind='no-such-kind': must be one of" in out.stdout
 
 
-# -- favor.report on runs the test writes ----------------------------------------------------------------
+# -- favor.tools.report on runs the test writes ----------------------------------------------------------------
 def fake_run(path: Path, *, kind, seed, accuracy, steps=(10, 20), total=20, finished=True, status=None,
              qk_norm=None):
     """A run directory as train.py leaves it: config.json, TensorBoard eval scalars and (when finished)

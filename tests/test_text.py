@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from favor import trainer
+from favor import job
 from favor.data import local, text, tokenizers
 from favor.data.source import open_tfds
 
@@ -160,14 +160,14 @@ def test_missing_data_dir_and_unprepared_dataset_say_what_to_do(tmp_path):
 
 def test_tiny_pretraining_run_lowers_the_mlm_loss(cache, tmp_path):
     config = bert_pretrain.get_config("runlocal")
-    summary = trainer.run(config, tmp_path)
+    summary = job.run(config, tmp_path)
     losses = [loss for _, loss in summary["train_loss_history"]]
     # from ≈ ln(vocab) at initialisation to clearly below it (the unigram distribution alone gives ~1 nat)
     assert losses[0] > math.log(300) - 0.5 and losses[-1] < losses[0] - 0.5
     assert summary["step"] == 40 and np.isfinite(summary["perplexity"]) and 0 <= summary["accuracy"] <= 1
     config.model.vocab_size = 100
     with pytest.raises(ValueError, match="vocab_size 100 is smaller than the tokenizer's"):
-        trainer.run(config, tmp_path / "small_vocab")
+        job.run(config, tmp_path / "small_vocab")
 
 
 def test_tokenizer_command_trains_a_model(cache, tmp_path):

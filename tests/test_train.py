@@ -17,10 +17,11 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from favor import checkpoint, configlib, models, optim, tasks, trainer
+from favor import checkpoint, configlib, models, tasks, job
+from favor.train import optim
 from favor.attention import schedule
 from favor.data.prefetch import prefetch
-from favor.train import steps
+from favor.train import loop, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -52,7 +53,7 @@ def train_cmd(workdir, *flags):
 
 def test_tiny_config_trains_end_to_end(tmp_path, caplog):
     with caplog.at_level("INFO", logger="favor.train"):
-        summary = trainer.run(tiny(), tmp_path)
+        summary = job.run(tiny(), tmp_path)
     losses = [l for _, l in summary["train_loss_history"]]
     assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.1          # the loss falls
     assert summary["accuracy"] > 0.15 and summary["step"] == 64        # above chance (0.1) after 64 steps
@@ -106,7 +107,7 @@ def test_features_follow_the_redraw_schedule():
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(draws(a), draws(b)))
     assert same(rests[0], rests[1]) and not same(rests[0], rests[2])
     config = tiny(**{"model.attention.redraw": "every:2"})
-    assert np.array_equal(trainer.features_key(config, 3), jax.random.fold_in(trainer.features_base(config), 1))
+    assert np.array_equal(job.features_key(config, 3), jax.random.fold_in(job.features_base(config), 1))
 
 
 LAYOUTS_SCRIPT = """
@@ -114,14 +115,14 @@ import json, sys
 sys.path.insert(0, {root!r})
 import jax
 import jax.numpy as jnp
-from favor import trainer
+from favor import job
 from tests.test_train import tiny
 out = {{}}
 for name, mesh in {layouts!r}.items():
-    s = trainer.run(tiny(total_steps=4, checkpoint_every=100, eval_every=4, log_every=1, mesh=mesh), {tmp!r} + "/" + name)
+    s = job.run(tiny(total_steps=4, checkpoint_every=100, eval_every=4, log_every=1, mesh=mesh), {tmp!r} + "/" + name)
     out[name] = [l for _, l in s["train_loss_history"]]
 try:
-    trainer.run(tiny(batch_size=12, mesh={{"data": -1}}), {tmp!r} + "/bad")
+    job.run(tiny(batch_size=12, mesh={{"data": -1}}), {tmp!r} + "/bad")
 except ValueError as e:
     out["batch_error"] = str(e)
 print("RESULT" + json.dumps(out))
@@ -129,7 +130,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_sharded_layouts_on_8_devices_match_one_device(tmp_path):
-    base = trainer.run(tiny(total_steps=4, checkpoint_every=100, eval_every=4, log_every=1), tmp_path / "one")
+    base = job.run(tiny(total_steps=4, checkpoint_every=100, eval_every=4, log_every=1), tmp_path / "one")
     layouts = {"data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},
                "mixed": {"data": 2, "fsdp": 2, "tensor": 2}}
     script = LAYOUTS_SCRIPT.format(root=str(ROOT), layouts=layouts, tmp=str(tmp_path))
@@ -198,7 +199,7 @@ def test_sigterm_saves_the_current_step(tmp_path):
 
 
 def test_damaged_latest_checkpoint_is_skipped(tmp_path):
-    trainer.run(tiny(total_steps=16, checkpoint_every=8, keep_checkpoints=3), tmp_path)
+    job.run(tiny(total_steps=16, checkpoint_every=8, keep_checkpoints=3), tmp_path)
     ckpt_dir = tmp_path / "checkpoints"
     # a save killed mid-write: only orbax's temporary directory exists; it is never a step
     (ckpt_dir / "24.orbax-checkpoint-tmp").mkdir()
@@ -208,7 +209,7 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path):
             f.write_bytes(os.urandom(f.stat().st_size))
     resumed = tiny(total_steps=16, checkpoint_every=8, keep_checkpoints=3)
     with pytest.warns(UserWarning, match="checkpoint step 16 .* unreadable or damaged"):
-        summary = trainer.run(resumed, tmp_path)
+        summary = job.run(resumed, tmp_path)
     assert summary["step"] == 16        # resumed from step 8 and ran the 8 steps again
     ck = checkpoint.Checkpointer(ckpt_dir)
     assert 24 not in ck.steps() and (ckpt_dir / "16.damaged-0").is_dir() and 16 in ck.steps()
@@ -216,15 +217,15 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path):
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
-    build = trainer.build_source
+    build = job.build_source
 
     def poisoned(config):          # corrupt data: NaN images give a NaN loss at the first step
         source = build(config)
         source.train = dict(source.train, image=np.full_like(source.train["image"], np.nan))
         return source
-    monkeypatch.setattr(trainer, "build_source", poisoned)
-    with pytest.raises(trainer.NonFiniteLoss, match="at step 0"):
-        trainer.run(tiny(), tmp_path)
+    monkeypatch.setattr(job, "build_source", poisoned)
+    with pytest.raises(loop.NonFiniteLoss, match="at step 0"):
+        job.run(tiny(), tmp_path)
     saved = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()] if (tmp_path / "checkpoints").exists() else []
     assert not saved                     # nothing non-finite was saved
 
@@ -232,13 +233,13 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
 def test_bad_input_is_a_clear_error(tmp_path):
     """run() checks the config as train.py does (tests/test_overrides.py has the command-line side)."""
     with pytest.raises(configlib.ConfigError, match=r"config.model.attention.kind='favour': must be one of .*favor\+\+"):
-        trainer.run(tiny(**{"model.attention.kind": "favour"}), tmp_path)
+        job.run(tiny(**{"model.attention.kind": "favour"}), tmp_path)
     with pytest.raises(ValueError, match=r"mesh .*'data': 3.* 1 are available"):
-        trainer.run(tiny(mesh={"data": 3}), tmp_path)
+        job.run(tiny(mesh={"data": 3}), tmp_path)
     with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
-        trainer.run(tiny(mesh={"model": 1}), tmp_path)
+        job.run(tiny(mesh={"model": 1}), tmp_path)
     with pytest.raises(ValueError, match="config.data.name='imagenet2012': must be one of digits, "):
-        trainer.run(tiny(data={"name": "imagenet2012"}), tmp_path)
+        job.run(tiny(data={"name": "imagenet2012"}), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -264,7 +265,7 @@ def test_sign_indefinite_kinds_without_qk_norm_are_warned(kind, qk_norm, warned,
     names the override that fixes it; positive kinds and normalised runs build silently."""
     config = tiny(**{"model.attention.kind": kind, "model.attention.qk_norm": qk_norm})
     with caplog.at_level("WARNING", logger="favor.train"):
-        trainer.model_builder(config)
+        job.model_builder(config)
     said = [r.getMessage() for r in caplog.records if "qk_norm" in r.getMessage()]
     assert bool(said) == warned, said
     if warned:

@@ -14,7 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
 
-from favor import configlib, data, models, tasks, trainer, uptrain
+from favor import configlib, data, models, tasks, job, uptrain
 from favor.bench import uptrain as bench_uptrain
 from favor.data import local, tokenizers
 
@@ -60,7 +60,7 @@ def state_params(state) -> dict:
 def softmax_run(tmp_path_factory):
     """A softmax digits ViT trained long enough that its attention is far from uniform."""
     workdir = tmp_path_factory.mktemp("softmax_source")
-    trainer.run(tiny("softmax", total_steps=48, checkpoint_every=24, eval_every=48), workdir)
+    job.run(tiny("softmax", total_steps=48, checkpoint_every=24, eval_every=48), workdir)
     return workdir
 
 
@@ -68,7 +68,7 @@ def test_softmax_run_continues_as_favor_sharp_with_a_day_0_eval(softmax_run, tmp
     config = tiny("favor#", total_steps=0)
     config.model.init_from = f"run:{softmax_run}"
     with caplog.at_level("INFO", logger="favor.train"):
-        summary = trainer.run(config, tmp_path)
+        summary = job.run(config, tmp_path)
     # the parameters are the source's, bit for bit
     source = saved_params(softmax_run / "checkpoints", 48)
     got = state_params(summary.state["params"])
@@ -86,11 +86,11 @@ def test_softmax_run_continues_as_favor_sharp_with_a_day_0_eval(softmax_run, tmp
 
     # ... equal to evaluating the source's parameters with FAVOR# built here: the model from the zoo,
     # the saved arrays put in by path, ω drawn from the run's evaluation key
-    model = models.get("vit", "tiny", **{k: v for k, v in trainer.model_builder(config)[1].items()})
+    model = models.get("vit", "tiny", **{k: v for k, v in job.model_builder(config)[1].items()})
     params = nnx.state(model, nnx.Param)
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     nnx.update(model, jax.tree_util.tree_unflatten(treedef, [source[dotted(p)] for p, _ in paths]))
-    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), trainer.EVAL_FEATURES_STREAM)
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), job.EVAL_FEATURES_STREAM)
     models.redraw_features(model, key)
     source_data, task = data.get(config.data), tasks.get(config.task)
     outputs = [jax.device_get(task.eval_outputs(model, b)) for b in source_data.eval_batches(config.eval_batch_size)]
@@ -109,7 +109,7 @@ def test_favor_sharp_on_a_trained_model_is_the_same_eager_and_jitted(softmax_run
     eigensolver calls returned eigenvectors of other signs, and those rotate the data ω meets (another
     draw). With fixed signs the two agree to float32 rounding."""
     config = tiny("favor#")
-    model = models.get("vit", "tiny", **trainer.model_builder(config)[1])
+    model = models.get("vit", "tiny", **job.model_builder(config)[1])
     source = saved_params(softmax_run / "checkpoints", 48)
     paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
     nnx.update(model, jax.tree_util.tree_unflatten(treedef, [source[dotted(p)] for p, _ in paths]))
@@ -138,11 +138,11 @@ def test_init_from_mismatches_and_bad_sources_are_clear_errors(softmax_run, tmp_
     config.model.init_from = f"run:{softmax_run}"
     with pytest.raises(ValueError, match=r"parameter \S+ has shape \(.*\) in the source and \(.*\) in this config's "
                                          r"model \(the source's model: --config.model.hidden=32\)"):
-        trainer.run(config, tmp_path / "a")
+        job.run(config, tmp_path / "a")
     config = tiny("favor+", total_steps=0)
     config.model.init_from = f"run:{softmax_run}@7"
     with pytest.raises(ValueError, match="no step 7 in .*; it has 24, 48"):
-        trainer.run(config, tmp_path / "b")
+        job.run(config, tmp_path / "b")
     for spec, allowed in ((f"run:{tmp_path / 'nothing'}", "is not a favor run directory"),
                           (f"run:{softmax_run}@last", "is not a number"),
                           ("bert-base-uncased", "expected 'run:<workdir>'")):
@@ -172,7 +172,7 @@ def test_init_from_mismatches_and_bad_sources_are_clear_errors(softmax_run, tmp_
 def test_resumed_uptraining_never_reinitialises_from_the_source(softmax_run, tmp_path, monkeypatch, caplog):
     config = tiny("favor+", total_steps=8, checkpoint_every=4, eval_every=8)
     config.model.init_from = f"run:{softmax_run}"
-    first = trainer.run(config, tmp_path)
+    first = job.run(config, tmp_path)
     assert [e["step"] for e in first["eval_history"]] == [0, 8]
 
     def no_source(*args, **kwargs):
@@ -180,7 +180,7 @@ def test_resumed_uptraining_never_reinitialises_from_the_source(softmax_run, tmp
     monkeypatch.setattr(uptrain, "load_params", no_source)
     config.total_steps = 12
     with caplog.at_level("INFO", logger="favor.train"):
-        second = trainer.run(config, tmp_path)
+        second = job.run(config, tmp_path)
     assert second["step"] == 12 and any("resumed from step 8" in r.message for r in caplog.records)
     assert [e["step"] for e in second["eval_history"]] == [12]        # no second day-0 evaluation
 
@@ -189,7 +189,7 @@ def test_attention_transfer_lowers_the_attention_error_and_moves_only_the_chosen
     config = tiny("favor+", total_steps=30, checkpoint_every=30, eval_every=30)
     config.model.init_from = f"run:{softmax_run}"
     config.uptrain.update(transfer_steps=30, lr=3e-3)
-    summary = trainer.run(config, tmp_path)
+    summary = job.run(config, tmp_path)
     before, after = summary["attention_mse"]["0"], summary["attention_mse"]["30"]
     assert len(before) == config.model.num_layers
     assert all(a < 0.8 * b for a, b in zip(after, before)), (before, after)   # held-out batches, fixed ω
@@ -206,7 +206,7 @@ def test_attention_transfer_lowers_the_attention_error_and_moves_only_the_chosen
 
     config.uptrain.trainable = "no_such_parameter"
     with pytest.raises(ValueError, match="config.uptrain.trainable='no_such_parameter' selects no parameter"):
-        trainer.run(config, tmp_path / "none")
+        job.run(config, tmp_path / "none")
     for key, value, allowed in (("uptrain.transfer_steps", 31, "must be at most total_steps (30)"),
                                 ("uptrain.trainable", "(", "must be 'query_key', 'all' or a regular expression")):
         bad = config.copy_and_resolve_references()
@@ -237,7 +237,7 @@ def test_sigkill_during_transfer_resumes_to_the_same_result(softmax_run, tmp_pat
     config = tiny("favor#", total_steps=60, checkpoint_every=10, eval_every=1000, log_every=20)
     config.model.init_from = f"run:{softmax_run}"
     config.uptrain.transfer_steps = 40
-    whole = trainer.run(config, tmp_path / "whole")
+    whole = job.run(config, tmp_path / "whole")
     a, b = saved_params(ckpts, 60), state_params(whole.state["params"])
     assert max(float(np.max(np.abs(a[p] - b[p]))) for p in a) < 1e-6
     resumed = json.loads((killed / "summary.json").read_text())
@@ -255,7 +255,7 @@ def corpus(tmp_path_factory, monkeypatch):
 def test_pretraining_tokenizer_travels_to_glue_fine_tuning(corpus, tmp_path, caplog):
     pre = bert_pretrain.get_config("runlocal")
     pre.total_steps, pre.checkpoint_every, pre.eval_every = 4, 4, 4
-    trainer.run(pre, tmp_path / "pretrain")
+    job.run(pre, tmp_path / "pretrain")
     recorded = tmp_path / "pretrain" / "tokenizer"
     assert json.loads((recorded / "tokenizer.json").read_text()) == {"spec": "sentencepiece:sentencepiece.model"}
     cached = sorted((corpus / "favor_tokenizers").glob("*.model"))      # the one pretraining trained and used
@@ -265,10 +265,10 @@ def test_pretraining_tokenizer_travels_to_glue_fine_tuning(corpus, tmp_path, cap
     assert glue.data.tokenizer == ""
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
         with pytest.raises(ValueError, match="data.tokenizer is empty"):
-            trainer.run(glue, tmp_path / "no_tokenizer")
+            job.run(glue, tmp_path / "no_tokenizer")
         glue.model.init_from = f"run:{tmp_path / 'pretrain'}"
         with caplog.at_level("INFO", logger="favor.train"):
-            summary = trainer.run(glue, tmp_path / "glue")
+            summary = job.run(glue, tmp_path / "glue")
     assert summary["step"] == glue.total_steps and np.isfinite(summary["train_loss"])
     assert [e["step"] for e in summary["eval_history"]] == [0, glue.total_steps]
     assert any("tokenizer: sentencepiece:" in r.message and "source model" in r.message for r in caplog.records)

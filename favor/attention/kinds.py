@@ -227,8 +227,9 @@ class ElementwiseAttention(FeatureAttention):
     # every nonzero feature is in linear.PLAIN_RANGE, else the exact path; "fast" and "exact" stay the
     # log-space paths
     finite_features = False
-    # F = D features made by one elementwise op: too cheap for chunks to pay (ReLU at L = 8192: fwd
-    # 30 → 35 ms, fwd+bwd 65 → 82 ms in chunks of 512), so the bidirectional pass takes L at once
+    # F = D features made by one elementwise op: too cheap for chunks to pay (ReLU at L = 8192 is slower
+    # in chunks, forward and backward: BENCHMARKS.md, design-measurements), so the bidirectional pass
+    # takes L at once
     BIDIRECTIONAL_CHUNK = None
 
     @staticmethod
@@ -429,7 +430,7 @@ class RandomFeatureAttention(FeatureAttention):
     def denominator_rows(self, q, k, mask=None, causal=False, ctx=None):
         """(den ≤ 0, den below the floor) [B, H, Lq] booleans: which rows' estimated denominators are not
         positive, and which fall below the floor `floored_ratio` raises them to (the HRF paper's
-        "negative fractions", Fig. 3). For diagnostics (favor.inspect) of self-attention (Lq = Lk); the
+        "negative fractions", Fig. 3). For diagnostics (favor.tools.inspect) of self-attention (Lq = Lk); the
         estimate over every key (a window's exact band, which only adds mass, is not counted); every row
         False for positive kinds. `ctx` the call's context (fitted parameters and draw)."""
         x, y = self.inputs(q, k)

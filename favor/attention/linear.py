@@ -312,7 +312,8 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
         (tau, total), _ = key_step(init, jax.tree.map(lambda a: a[0], (ys, v1s, valids)))   # None stays None
         return query_chunk(tau, total, x, None if floor is None else floor.log)
     # under jax.checkpoint the backward pass makes each chunk's features again, in cache, instead of
-    # storing them all (FAVOR# fwd+bwd at L = 8192: 334 → 282 ms; the whole-array form 287)
+    # storing them all (faster at long L than storing them, and than the whole-array form: BENCHMARKS.md,
+    # design-measurements)
     (tau, total), _ = jax.lax.scan(jax.checkpoint(key_step), init, (ys, v1s, valids))
     cq = min(chunk_size, seq_length(x))
     floors = None if floor is None else _in_chunks(floor.log[..., None], cq)[..., 0]

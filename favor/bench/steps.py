@@ -21,7 +21,7 @@ def train_steps(config_spec, kinds, rounds, seed=0, flags=()):
     load on a shared machine falls on all alike. Returns {kind: [seconds per round]}."""
     # the training stack (TensorFlow's data pipelines among it) loads when this subcommand runs, so
     # the other subcommands start without it
-    from favor import configlib, sharding, trainer
+    from favor import configlib, sharding, job
     programs = {}
     for kind in kinds:
         config = configlib.load(config_spec)
@@ -30,10 +30,10 @@ def train_steps(config_spec, kinds, rounds, seed=0, flags=()):
         with config.unlocked():
             config.model.attention.kind = kind
         configlib.validate(config)
-        source, task = trainer.make_data(config)
-        model = trainer.make_model(config, source)
-        layout = trainer.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
-        step_fn = trainer.make_train_step(config, model, task, layout)
+        source, task = job.make_data(config)
+        model = job.make_model(config, source)
+        layout = job.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
+        step_fn = job.make_train_step(config, model, task, layout)
         state = jax.jit(model.init, out_shardings=layout.state)()
         batch = layout.global_batch(next(iter(source.train_batches(int(config.batch_size), 0, int(config.seed)))))
         state, _ = step_fn(state, batch)                                   # compile and warm

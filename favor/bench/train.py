@@ -39,7 +39,7 @@ def train(config, metric, target, lower_is_better, flags, out_dir, section, argv
                f"{first['seconds']:.0f} s after the run started" if first else f"{metric} never reached {target}")
     body = (f"{sections.heading(section, meta)}\n\n"
             f"{sections.where(meta)}; seconds count from the start of "
-            f"`trainer.run` (data preparation, compilation and evaluation included); the whole process took "
+            f"`job.run` (data preparation, compilation and evaluation included); the whole process took "
             f"{wall:.0f} s. {verdict}. Raw figures: bench/{section}.json.\n\n" + "\n".join(rows))
     sections.publish(out_dir, section, body, {"meta": meta, "evals": evals})
     print(verdict)

@@ -6,9 +6,9 @@ one in --workdir), then for every kind:
               feature draws: the run's seed picks its evaluation ω);
   uptrain     K = --steps steps of the ordinary loss from the source's parameters;
   + transfer  the same K steps, of which the first T = --transfer_steps are attention transfer
-              (favor.transfer: the query/key projections learn to imitate the softmax attention);
+              (favor.uptrain.transfer: the query/key projections learn to imitate the softmax attention);
   scratch     the kind trained from a fresh initialisation for the same K steps.
-Every run goes through trainer.run exactly as train.py would (in this process). Writes a table to
+Every run goes through job.run exactly as train.py would (in this process). Writes a table to
 BENCHMARKS.md (section uptrain-<config name>), the raw figures to bench/<section>.json and a plot
 (the metric against step, one line per kind, one panel per way of starting) to bench/<section>.png.
 """
@@ -61,9 +61,9 @@ def _set(config, key, value):
 
 
 def _run(config, workdir, log):
-    """trainer.run(config, workdir), or the summary of a run that finished there before (an interrupted
+    """job.run(config, workdir), or the summary of a run that finished there before (an interrupted
     benchmark reruns only what it lacks; a finished run's summary holds its whole eval curve)."""
-    from favor import trainer            # the training stack loads when this subcommand runs (cli.py)
+    from favor import job            # the training stack loads when this subcommand runs (cli.py)
     done = Path(workdir) / "summary.json"
     if done.exists():
         summary = json.loads(done.read_text())
@@ -71,7 +71,7 @@ def _run(config, workdir, log):
             log(f"  {workdir.name}: reused")
             return summary
     t0 = time.perf_counter()
-    summary = trainer.run(config, workdir)
+    summary = job.run(config, workdir)
     log(f"  {workdir.name}: {time.perf_counter() - t0:.0f} s")
     return summary
 
@@ -121,18 +121,18 @@ def measure(spec, flags, kinds, steps, transfer_steps, draws, workdir, metric, s
 
 def day0(config, workdir, seeds):
     """The eval metrics of `config`'s model (init_from a source) before any step, once per seed in
-    `seeds` (the seed picks the evaluation ω, as trainer.run's evaluation does: the first equals a
+    `seeds` (the seed picks the evaluation ω, as job.run's evaluation does: the first equals a
     `total_steps=0` run's). The model is loaded and the evaluation compiled once for all draws."""
 
-    from favor import trainer                       # the training stack: as in _config
+    from favor import job                       # the training stack: as in _config
     from favor.train import steps
-    config, source, task, model, layout, state = trainer.rebuild(config, workdir)
+    config, source, task, model, layout, state = job.rebuild(config, workdir)
     step_fn = jax.jit(partial(steps.eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
     draw = jax.jit(lambda p, r, key: steps.with_features(p, r, graphdef=model.graphdef, key=key))
     redraws = schedule.parse(attention.block_redraw(config.model.attention)).redraws
     out = []
     for seed in seeds:
-        key = jax.random.fold_in(jax.random.PRNGKey(int(seed)), trainer.EVAL_FEATURES_STREAM)
+        key = jax.random.fold_in(jax.random.PRNGKey(int(seed)), job.EVAL_FEATURES_STREAM)
         batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
         out.append(steps.evaluate(state, batches, step_fn=step_fn, finalize=task.finalize,
                                     features_fn=(lambda p, r: draw(p, r, key)) if redraws else None))

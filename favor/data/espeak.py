@@ -109,8 +109,8 @@ class Library:
     and breath noise draws from libc's rand()): speaking the same text twice gives different samples, so the
     audio would depend on what was spoken before, and on the thread schedule. The espeak-ng program is
     reproducible only because each call is a fresh process. So each utterance maps the library afresh
-    (dlclose + dlopen: about 0.3 ms, then its first voice selection reads the voice and dictionary files
-    again, a few ms) and reseeds both random generators; a check at load time verifies this is enough.
+    (dlclose + dlopen, then its first voice selection reads the voice and dictionary files again: small
+    beside synthesis, BENCHMARKS.md design-measurements) and reseeds both random generators; a check at load time verifies this is enough.
     The library is one global state, not thread-safe: a lock serialises everything."""
 
     def __init__(self):

@@ -14,7 +14,7 @@ Batches (host-local rows):
 
 Decisions:
 * Reading: both splits by random access (`open_tfds`, array_record); features are computed per batch
-  (≈ 1.5 ms per utterance-second on one core, small beside the model step), nothing is cached.
+  (small beside the model step: BENCHMARKS.md, design-measurements), nothing is cached.
 * Features: 80 log-mel bins, 25 ms / 10 ms (favor.data.audio), normalised per utterance and bin (no
   dataset statistic to estimate or ship; removes the channel offset of each recording or voice).
 * `max_frames` (train only): a longer utterance is dropped, not trimmed: cutting the audio would

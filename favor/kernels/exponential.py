@@ -214,7 +214,7 @@ class ExponentialMechanism(Mechanism):
             sq = jnp.sum(ut * ut, -1, keepdims=True)
         # One matmul gives the whole log-feature: [u, ||T u||², 1] @ [W; −½; const]. Adding the row
         # and column terms to an [L, M] product afterwards costs XLA:CPU a pass over (and a
-        # broadcast copy of) the largest array of the layer: 30 ms of 75 at L = 8192, M = 256.
+        # broadcast copy of) the largest array of the layer (BENCHMARKS.md, design-measurements).
         batch = jnp.broadcast_shapes(wmat.shape[:-2], const.shape[:-1])
         mat = jnp.concatenate([jnp.broadcast_to(wmat, (*batch, *wmat.shape[-2:])),
                                jnp.full((*batch, 1, m), -0.5, jnp.float32),

@@ -56,8 +56,9 @@ def layer_moments(x, y, x_mask=None, y_mask=None, full=True):
     """`moments` per batch and head of an attention layer's scaled queries x [B, Lx, H, d] and keys
     y [B, Ly, H, d] in the layer's own layout (rows along axis 1), masks [B, L]: the same statistics as
     `moments` of the sets [B, H, L, d], computed as plain sums over axis 1. Why: XLA:CPU reduces this
-    layout ~6× faster than the transposed one, and a weighted sum (a broadcast product inside the
-    reduction) or several dots sharing a producer take it from ~2 ms to 14-130 ms at L = 8192, d = 64."""
+    layout several times faster than the transposed one, and a weighted sum (a broadcast product inside
+    the reduction) or several dots sharing a producer are slower still (BENCHMARKS.md,
+    design-measurements)."""
     def side(u, mask):
         u = u.astype(jnp.float32)
         if mask is None:
@@ -69,8 +70,8 @@ def layer_moments(x, y, x_mask=None, y_mask=None, full=True):
         inv = 1.0 / jnp.maximum(n, 1.0)                              # no valid row: zero statistics
         mean_u = jnp.sum(u, axis=1) * inv                            # [B, H, d]
         if full:
-            # contracting the rows of [B, H, L, d] with itself as one dot_general: 4× faster here than
-            # ut.T @ ut or a contraction over axis 1 of the [B, L, H, d] layout
+            # contracting the rows of [B, H, L, d] with itself as one dot_general: faster than ut.T @ ut
+            # or a contraction over axis 1 of the [B, L, H, d] layout (BENCHMARKS.md, design-measurements)
             ut = jnp.swapaxes(u, 1, 2)
             second = jnp.einsum("bhld,bhle->bhde", ut, ut) * inv[..., None]
         else:

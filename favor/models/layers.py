@@ -148,7 +148,7 @@ class SelfAttention(nnx.Module):
             self.fit_stats = FitStatistics(self.kind.statistics(empty, empty, none, none))
         else:
             self.fit_stats = None
-        # attention transfer (favor.transfer): a teacher's layers sow (input, mask, output) when set
+        # attention transfer (favor.uptrain.transfer): a teacher's layers sow (input, mask, output) when set
         self.record = False
 
     def redraw(self, key):

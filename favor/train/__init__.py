@@ -1,1 +1,2 @@
-"""Training: the step functions (steps.py) that the loop (favor.trainer) and its stages run."""
+"""The training engine: step functions (steps), the loop (loop), stages before the main training
+(stage), the optimizer (optim). favor.job assembles a run from a config with them."""

@@ -1,6 +1,7 @@
 """The step functions of training and evaluation: functions of (state, batch) whose static parts are
 keyword arguments, bound with functools.partial before jit (as the Flax examples do), so a test can call
-any of them alone; the training loop (favor.trainer) and its stages (favor.transfer) build on them.
+any of them alone; the training loop (favor.train.loop) builds on them, and `stage_step` runs any stage
+(favor.train.stage) with the same guard as the training step.
 
 The train state is a pytree {step, params, rest, opt_state, bad_step}: `params` the model's nnx.Param
 state, `rest` everything else the model holds (random-feature draws, dropout rng counters, batch stats).
@@ -19,15 +20,15 @@ from favor import models
 from favor.attention import schedule
 
 
-def init_state(model, tx, transfer_tx=None) -> dict:
-    """The train state of a fresh `model`; with `transfer_tx` (an attention-transfer stage) also the
-    frozen teacher parameters (set to the source's when the run starts from one) and that stage's
-    optimizer state."""
+def init_state(model, tx, stages=()) -> dict:
+    """The train state of a fresh `model`, with each stage's entries and optimizer state (the entries are
+    made again from the run's starting parameters when it starts from another model's)."""
     _, params, rest = nnx.split(model, nnx.Param, ...)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
              "opt_state": tx.init(params), "bad_step": jnp.full((), -1, jnp.int32)}
-    if transfer_tx is not None:
-        state.update(teacher=params, transfer_opt_state=transfer_tx.init(params))
+    for stage in stages:
+        state.update(stage.entries(params))
+        state[stage.opt_key] = stage.tx.init(params)
     return state
 
 
@@ -103,6 +104,35 @@ def train_step(state, batch, *, graphdef, task, tx, lr_schedule, redraw: schedul
     new_state = apply_if_finite(state, loss, grads, params=params, rest=rest, opt_state=opt_state)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=lr_schedule(step))
     return new_state, metrics
+
+
+def stage_step(state, batch, *, stage, graphdef, task, redraw: schedule.Redraw | None = None, features_base=None):
+    """One step of `stage` (favor.train.stage.Stage): its loss differentiated in the parameters, its
+    optimizer, the same guard and ω schedule as `train_step`. Metrics: loss, grad_norm, and the stage's
+    own under "<name>/"."""
+    step, rest = state["step"], state["rest"]
+    if redraw is not None and redraw.redraws:
+        rest = with_features(state["params"], rest, graphdef=graphdef, key=redraw.key(features_base, step))
+    entries = {k: state[k] for k in stage.entry_keys}
+    grad_fn = jax.value_and_grad(partial(stage.loss, graphdef=graphdef, task=task), has_aux=True)
+    (loss, metrics), grads = grad_fn(state["params"], rest, entries, batch)
+    updates, opt_state = stage.tx.update(grads, state[stage.opt_key], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    new_state = apply_if_finite(state, loss, grads, params=params, rest=rest, **{stage.opt_key: opt_state})
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), f"{stage.name}/loss": loss,
+                       **{f"{stage.name}/{k}": v for k, v in metrics.items()}}
+
+
+def evaluate_stage(state, batches, *, stage, step_fn, features_fn=None) -> list[float]:
+    """A stage's evaluation over `batches`: `step_fn(params, rest, entries, batch) -> (values, weight)`,
+    the values averaged with those weights, with the evaluation ω."""
+    rest = state["rest"] if features_fn is None else features_fn(state["params"], state["rest"])
+    entries = {k: state[k] for k in stage.entry_keys}
+    total, n = 0.0, 0.0
+    for batch in batches:
+        values, weight = jax.device_get(step_fn(state["params"], rest, entries, batch))
+        total, n = total + values * weight, n + weight
+    return [float(x) / max(float(n), 1.0) for x in total]
 
 
 def eval_step(params, rest, batch, *, graphdef, task):

@@ -1,4 +1,4 @@
-"""How good is my approximation? `python -m favor.inspect --workdir <run> [--kinds favor+,favor#]
+"""How good is my approximation? `python -m favor.tools.inspect --workdir <run> [--kinds favor+,favor#]
 [--num_features 16,64,256] [--batches 4] [--plot out.png] [--json out.json]`.
 
 Loads a run's newest checkpoint, feeds evaluation batches through its model (its own attention kind,
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from favor import attention as attention_lib
-from favor import trainer, uptrain
+from favor import job, uptrain
 from favor.attention import qknorm
 from favor.models.layers import SelfAttention
 
@@ -65,9 +65,9 @@ def load(workdir):
         config.model.init_from = spec
         if "uptrain" in config:
             config.uptrain.transfer_steps = 0
-    config, source, task, model, layout, state = trainer.rebuild(config, workdir)
+    config, source, task, model, layout, state = job.rebuild(config, workdir)
     params, rest = state["params"], state["rest"]
-    features_fn = trainer.eval_features_fn(config, model)
+    features_fn = job.eval_features_fn(config, model)
     if features_fn is not None:
         rest = features_fn(params, rest)
     module = nnx.merge(model.graphdef, params, rest)
@@ -272,7 +272,7 @@ def plot(result, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m favor.inspect", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m favor.tools.inspect", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="a favor run (its checkpoints/ are read)")
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),

@@ -1,6 +1,6 @@
 """Kernel-estimation demo: every mechanism's relative MSE on one fixed dataset, measured and analytic.
 
-    python -m favor.demo [--dim 64] [--features 128] [--repeats 256]
+    python -m favor.tools.demo [--dim 64] [--features 128] [--repeats 256]
 
 The dataset is attention-like: L = 32 queries and keys, q, k ~ N(±m, 0.4²I) scaled by d^(−1/4) as
 attention scales them. Relative MSE = mean over pairs of E[(Ŝ − SM)²]/SM²: "measured" averages the

@@ -1,7 +1,7 @@
 """Compare the runs of a sweep: one table, seed means, and the eval metric's curves.
 
-    python -m favor.report runs/sweep [--metric accuracy] [--plot runs/sweep/report.png] [--out report.md]
-    python -m favor.report runs/a runs/b ...          (run directories, or directories holding them)
+    python -m favor.tools.report runs/sweep [--metric accuracy] [--plot runs/sweep/report.png] [--out report.md]
+    python -m favor.tools.report runs/a runs/b ...          (run directories, or directories holding them)
 
 A sweep directory (launch/sweep_local.py writes `sweep.json` there) lists every run it launched, so
 runs that never started are listed too. Per run it reads what train.py leaves in the workdir:
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
             raise ValueError(f"no runs in {', '.join(args.paths)}")
         rep = report(runs, args.metric)
     except ValueError as e:
-        print(f"favor.report: {e}", file=sys.stderr)
+        print(f"favor.tools.report: {e}", file=sys.stderr)
         return 2
     text = markdown(rep)
     print(text, end="")

@@ -11,11 +11,13 @@ does not feed the next during this stage.
 
 `config.uptrain`: transfer_steps (0 = no transfer stage), trainable ("query_key": the attention layers'
 query and key projections; "all"; or a regular expression searched in the dotted parameter paths), lr
-(the stage's Adam learning rate, cosine-decayed over the stage).
+(the stage's Adam learning rate, cosine-decayed over the stage). `stage` gives the run its stage
+(favor.train.stage): the teacher's parameters are its train-state entry "teacher".
 """
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -24,7 +26,8 @@ import optax
 from flax import nnx
 
 from favor.models.layers import SelfAttention
-from favor.train.steps import apply_if_finite, with_features
+from favor.train.stage import Stage
+from favor.uptrain.init_from import dotted
 
 
 def teacher_of(build_softmax):
@@ -47,12 +50,12 @@ def _get(model, path):
     return model
 
 
-def layer_errors(params, rest, teacher_params, batch, *, graphdef, teacher, task):
+def layer_errors(params, rest, entries, batch, *, graphdef, teacher, task):
     """([num attention layers] mean squared error between each student attention layer's output and the
     softmax teacher's, on the teacher's inputs to that layer; the number of tokens it averages over).
     Deterministic (no dropout); padding tokens and padding rows (batch["valid"]) do not count."""
     t_graphdef, t_rest = teacher
-    t_model = nnx.merge(t_graphdef, jax.lax.stop_gradient(teacher_params), t_rest, copy=True)
+    t_model = nnx.merge(t_graphdef, jax.lax.stop_gradient(entries["teacher"]), t_rest, copy=True)
     _, captured = nnx.capture(lambda m, b: task.loss(m, b, deterministic=True), nnx.Intermediate)(t_model, batch)
     student = nnx.merge(graphdef, params, rest, copy=True)
     errors, count = [], None
@@ -71,9 +74,18 @@ def layer_errors(params, rest, teacher_params, batch, *, graphdef, teacher, task
     return jnp.stack(errors), count
 
 
-def loss_fn(params, rest, teacher_params, batch, **kw):
-    errors, _ = layer_errors(params, rest, teacher_params, batch, **kw)
-    return errors.sum(), errors
+def loss_fn(params, rest, entries, batch, **kw):
+    """(the sum of the layers' errors, {"mse_layer_<i>": each})."""
+    errors, _ = layer_errors(params, rest, entries, batch, **kw)
+    return errors.sum(), {f"mse_layer_{i}": e for i, e in enumerate(errors)}
+
+
+def trainable_mask(params, pattern: str):
+    """A bool per parameter leaf: does `pattern` ("query_key", "all", or a regular expression searched in
+    the dotted parameter path) select it."""
+    regex = {"query_key": r"attention\.(query|key)\.", "all": r""}.get(pattern, pattern)
+    compiled = re.compile(regex)
+    return jax.tree_util.tree_map_with_path(lambda p, _: bool(compiled.search(dotted(p))), params)
 
 
 def optimizer(uptrain, trainable_mask) -> optax.GradientTransformation:
@@ -86,27 +98,18 @@ def optimizer(uptrain, trainable_mask) -> optax.GradientTransformation:
     return optax.chain(optax.masked(optax.set_to_zero(), frozen), optax.clip_by_global_norm(1.0), optax.adam(lr))
 
 
-def transfer_step(state, batch, *, graphdef, teacher, task, tx, redraw=None, features_base=None):
-    """One transfer-stage step: (new state, metrics). The same guard as train_step: a non-finite loss or
-    gradient is not applied and `bad_step` records it."""
-    step, rest = state["step"], state["rest"]
-    if redraw is not None and redraw.redraws:
-        rest = with_features(state["params"], rest, graphdef=graphdef, key=redraw.key(features_base, step))
-    grad_fn = jax.value_and_grad(partial(loss_fn, graphdef=graphdef, teacher=teacher, task=task), has_aux=True)
-    (loss, errors), grads = grad_fn(state["params"], rest, state["teacher"], batch)
-    updates, opt_state = tx.update(grads, state["transfer_opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    new_state = apply_if_finite(state, loss, grads, params=params, rest=rest, transfer_opt_state=opt_state)
-    metrics = {"transfer/loss": loss, "grad_norm": optax.tree.norm(grads), "loss": loss,
-               **{f"transfer/mse_layer_{i}": e for i, e in enumerate(errors)}}
-    return new_state, metrics
-
-
-def eval_errors(state, batches, *, step_fn, features_fn=None) -> list[float]:
-    """Per-layer attention MSE over all valid tokens of `batches` (held-out data), with the evaluation ω."""
-    rest = state["rest"] if features_fn is None else features_fn(state["params"], state["rest"])
-    total, n = 0.0, 0.0
-    for batch in batches:
-        errors, count = jax.device_get(step_fn(state["params"], rest, state["teacher"], batch))
-        total, n = total + errors * count, n + count
-    return [float(x) / max(float(n), 1.0) for x in total]
+def stage(uptrain, abstract_params, build_softmax) -> Stage | None:
+    """The attention-transfer stage of a run with `uptrain` (config.uptrain) for a model whose parameters
+    are `abstract_params`; `build_softmax()` builds its softmax twin (the teacher). None when
+    transfer_steps is 0."""
+    steps = int(uptrain.get("transfer_steps", 0) or 0)
+    if not steps:
+        return None
+    mask = trainable_mask(abstract_params, str(uptrain.trainable))
+    if not any(jax.tree.leaves(mask)):
+        raise ValueError(f"config.uptrain.trainable={uptrain.trainable!r} selects no parameter")
+    teacher = teacher_of(build_softmax)
+    return Stage(name="transfer", steps=steps, tx=optimizer(uptrain, mask),
+                 loss=partial(loss_fn, teacher=teacher), entries=lambda params: {"teacher": params},
+                 entry_keys=("teacher",), evaluate=partial(layer_errors, teacher=teacher), eval_name="mse_layer",
+                 summary_key="attention_mse", describe="attention MSE against softmax, per layer")

@@ -1,4 +1,4 @@
-"""Where an uptraining run's parameters come from: `config.model.init_from`.
+"""Where an uptraining run's parameters come from: `config.model.init_from`, parsed into an `Origin`.
 
     run:<workdir>          the newest whole checkpoint of a favor run (any attention kind)
     run:<workdir>@<step>   that step of it
@@ -10,12 +10,8 @@ model's own init draws them). The source run's config comes from its checkpoint 
 whose shape differs from the new model's is an error naming its path and both shapes (and the source's
 model sizes to set). A parameter the source lacks is kept fresh only when it is a task head (a GLUE
 classifier on an MLM model, or one for another number of labels) or the query/key normalisation's
-(`qk_norm` on a source without it), named in a log line; any other is an error. Source parameters the new model does not take (the MLM head when fine-tuning on GLUE) are left
-out, also named.
-
-The tokenizer travels with the model: a run records the tokenizer its data source used in
-`<workdir>/tokenizer/` (`record_tokenizer`), and a run whose `init_from` is a favor run, with no
-`data.tokenizer` of its own, encodes text with that one (`tokenizer_spec`).
+(`qk_norm` on a source without it), named in a log line; any other is an error. Source parameters the
+new model does not take (the MLM head when fine-tuning on GLUE) are left out, also named.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 from pathlib import Path
 
 import jax
@@ -35,7 +30,6 @@ from flax import nnx
 from favor import attention as attention_lib
 from favor import models
 from favor.checkpoint import fingerprint
-from favor.data.atomic import write_text
 from favor.models.layers import is_qk_norm_param
 
 log = logging.getLogger("favor.train")
@@ -43,11 +37,11 @@ log = logging.getLogger("favor.train")
 FORMS = ("'run:<workdir>' (its newest whole checkpoint), 'run:<workdir>@<step>', a favor checkpoint directory "
          "(<workdir>/checkpoints or one step in it), or 'hf:<Hugging Face model directory>'")
 HEAD_PREFIXES = ("head", "classifier", "mlm_", "pooler", "ctc")   # task heads a new task may add fresh
-TOKENIZER_DIR = "tokenizer"
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class Origin:
+    """A parsed `init_from`: the checkpoint (or Hugging Face directory) a run's parameters come from."""
     spec: str
     kind: str                       # "run" (a favor checkpoint) or "hf"
     path: Path                      # run: the checkpoints directory; hf: the model directory
@@ -55,7 +49,7 @@ class Source:
     workdir: Path | None = None     # run: the source run's workdir (its recorded tokenizer), when known
 
 
-def parse(spec: str) -> Source:
+def parse(spec: str) -> Origin:
     """The source `spec` names; a ValueError that says which forms are allowed when it names none."""
     spec = str(spec)
     kind, sep, rest = spec.partition(":")
@@ -64,7 +58,7 @@ def parse(spec: str) -> Source:
         if not rest or not path.is_dir():
             raise ValueError(f"{rest or '(empty)'} is not a directory (a Hugging Face model directory with "
                              f"config.json); expected {FORMS}")
-        return Source(spec, "hf", path)
+        return Origin(spec, "hf", path)
     if sep and kind == "run":
         where, at, step = rest.rpartition("@") if "@" in rest else (rest, "", "")
         if at and not step.isdigit():
@@ -72,15 +66,15 @@ def parse(spec: str) -> Source:
         workdir = Path(where).expanduser().absolute()
         if not (workdir / "checkpoints").is_dir():
             raise ValueError(f"{workdir} is not a favor run directory (it has no checkpoints/); expected {FORMS}")
-        return Source(spec, "run", workdir / "checkpoints", int(step) if at else None, workdir)
+        return Origin(spec, "run", workdir / "checkpoints", int(step) if at else None, workdir)
     path = Path(spec).expanduser().absolute()
     if path.is_dir():
         if (path / "checkpoints").is_dir():
-            return Source(spec, "run", path / "checkpoints", None, path)
+            return Origin(spec, "run", path / "checkpoints", None, path)
         if _is_step_dir(path):
-            return Source(spec, "run", path.parent, int(path.name), _workdir_of(path.parent))
+            return Origin(spec, "run", path.parent, int(path.name), _workdir_of(path.parent))
         if any(_is_step_dir(p) for p in path.iterdir()):
-            return Source(spec, "run", path, None, _workdir_of(path))
+            return Origin(spec, "run", path, None, _workdir_of(path))
         if (path / "config.json").exists():
             raise ValueError(f"{path} looks like a Hugging Face model directory: write 'hf:{spec}'")
     raise ValueError(f"expected {FORMS}")
@@ -95,7 +89,7 @@ def _workdir_of(checkpoints: Path) -> Path | None:
 
 
 # -- reading a favor checkpoint ------------------------------------------------------------------------
-def _dotted(path) -> str:
+def dotted(path) -> str:
     """'layers.0.attention.query.kernel' for a pytree key path (an nnx.State's or a checkpoint's tree,
     where every Variable is saved as {'value': array})."""
     parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
@@ -105,7 +99,7 @@ def _dotted(path) -> str:
 
 
 def _flat(tree) -> dict:
-    return {_dotted(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {dotted(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 @dataclasses.dataclass
@@ -142,22 +136,22 @@ def _fingerprint_holds(restored, saved) -> bool:
     return len(saved) > 0 and all(np.any(np.isclose(saved, g, rtol=1e-5, atol=1e-6)) for g in got)
 
 
-def open_checkpoint(source: Source) -> Checkpoint:
-    """The step `source` names (the newest one with readable metadata when it names none)."""
-    steps = _steps(source.path)
+def open_checkpoint(origin: Origin) -> Checkpoint:
+    """The step `origin` names (the newest one with readable metadata when it names none)."""
+    steps = _steps(origin.path)
     if not steps:
-        raise ValueError(f"model.init_from {source.spec!r}: {source.path} holds no checkpoint steps")
-    if source.step is not None and source.step not in steps:
-        raise ValueError(f"model.init_from {source.spec!r}: no step {source.step} in {source.path}; it has "
+        raise ValueError(f"model.init_from {origin.spec!r}: {origin.path} holds no checkpoint steps")
+    if origin.step is not None and origin.step not in steps:
+        raise ValueError(f"model.init_from {origin.spec!r}: no step {origin.step} in {origin.path}; it has "
                          f"{', '.join(map(str, steps))}")
-    for step in [source.step] if source.step is not None else reversed(steps):
+    for step in [origin.step] if origin.step is not None else reversed(steps):
         try:
-            return _open(source.path, step)
+            return _open(origin.path, step)
         except Exception as e:       # an unreadable newest step: the previous one, as resuming does
-            if source.step is not None:
-                raise ValueError(f"model.init_from {source.spec!r}: step {step} is unreadable ({e})") from None
-            log.warning("init_from: step %d of %s is unreadable (%s); trying the previous one", step, source.path, e)
-    raise ValueError(f"model.init_from {source.spec!r}: no readable checkpoint in {source.path}")
+            if origin.step is not None:
+                raise ValueError(f"model.init_from {origin.spec!r}: step {step} is unreadable ({e})") from None
+            log.warning("init_from: step %d of %s is unreadable (%s); trying the previous one", step, origin.path, e)
+    raise ValueError(f"model.init_from {origin.spec!r}: no readable checkpoint in {origin.path}")
 
 
 MODEL_SIZE_KEYS = ("preset", "hidden", "num_layers", "heads", "mlp_dim", "vocab_size", "max_positions",
@@ -193,29 +187,29 @@ def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str],
     return load, fresh, dropped
 
 
-def load_params(config, source: Source, params, shardings):
+def load_params(config, origin: Origin, params, shardings):
     """`params` (the new model's freshly initialised nnx.State of arrays) with every parameter the
-    source has put in place, restored straight into `shardings` (orbax partial restore: only the
+    origin has put in place, restored straight into `shardings` (orbax partial restore: only the
     parameters are read, never the optimizer state)."""
-    if source.kind == "hf":
-        return _load_hf(config, source, params, shardings)
-    ckpt = open_checkpoint(source)
+    if origin.kind == "hf":
+        return _load_hf(config, origin, params, shardings)
+    ckpt = open_checkpoint(origin)
     src_config = ckpt.config
     hint = _sizes_hint(src_config, config)
     src_model, new_model = src_config.get("model", {}).get("name"), config.model.name
     if src_model != new_model:
-        raise ValueError(f"model.init_from {source.spec!r}: the source is a {src_model} run; this config builds a "
+        raise ValueError(f"model.init_from {origin.spec!r}: the source is a {src_model} run; this config builds a "
                          f"{new_model}")
     want_flat, sh_flat = _flat(params), _flat(shardings)
     want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in want_flat.items()}
-    load, fresh, dropped = match(ckpt.param_shapes, want, source.spec, hint)
+    load, fresh, dropped = match(ckpt.param_shapes, want, origin.spec, hint)
 
     tree = ocp.StandardCheckpointer().metadata(ckpt.directory / "state").item_metadata
     tree = getattr(tree, "tree", tree)
     wanted = set(load)
 
     def target(path, leaf):
-        key = _dotted(path)
+        key = dotted(path)
         if key not in wanted:
             return None
         return jax.ShapeDtypeStruct(tuple(leaf.shape), want[key][1], sharding=sh_flat[key])
@@ -225,12 +219,12 @@ def load_params(config, source: Source, params, shardings):
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
     got = _flat(restored["params"])
     if not _fingerprint_holds(list(got.values()), ckpt.meta.get("fingerprint", [])):
-        raise ValueError(f"model.init_from {source.spec!r}: the parameters of step {ckpt.step} do not match the "
+        raise ValueError(f"model.init_from {origin.spec!r}: the parameters of step {ckpt.step} do not match the "
                          f"fingerprint saved with them (a damaged checkpoint); choose another step with '@<step>'")
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-    leaves = [got[_dotted(p)] if _dotted(p) in got else leaf for p, leaf in paths]
-    log.info("init_from %s: step %d of %s (a %s model with %s attention): %d parameters loaded", source.spec,
-             ckpt.step, source.path, src_model, src_config.model.attention.kind, len(load))
+    leaves = [got[dotted(p)] if dotted(p) in got else leaf for p, leaf in paths]
+    log.info("init_from %s: step %d of %s (a %s model with %s attention): %d parameters loaded", origin.spec,
+             ckpt.step, origin.path, src_model, src_config.model.attention.kind, len(load))
     if fresh:
         log.info("init_from: newly initialised (not in the source): %s", ", ".join(fresh))
     if dropped:
@@ -248,73 +242,17 @@ def _prune(tree):
     return tree
 
 
-def _load_hf(config, source: Source, params, shardings):
+def _load_hf(config, origin: Origin, params, shardings):
     shared = ("head", "num_labels", "num_classes", "dropout", "attention_dropout", "dtype")
     keep = {k: v for k, v in config.model.to_dict().items() if k in shared}
-    loaded = models.hf.load(source.path, attention=attention_lib.block_options(config.model.attention), **keep)
+    loaded = models.hf.load(origin.path, attention=attention_lib.block_options(config.model.attention), **keep)
     got = nnx.state(loaded, nnx.Param)
     want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _flat(params).items()}
     have = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in _flat(got).items()}
-    match(have, want, source.spec, " (set the config's sizes to the checkpoint's config.json)")
-    log.info("init_from %s: a Hugging Face checkpoint", source.spec)
+    match(have, want, origin.spec, " (set the config's sizes to the checkpoint's config.json)")
+    log.info("init_from %s: a Hugging Face checkpoint", origin.spec)
     got_flat = _flat(got)
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-    leaves = [jax.device_put(np.asarray(got_flat[_dotted(p)], leaf.dtype), s) if _dotted(p) in got_flat else leaf
+    leaves = [jax.device_put(np.asarray(got_flat[dotted(p)], leaf.dtype), s) if dotted(p) in got_flat else leaf
               for (p, leaf), s in zip(paths, jax.tree.leaves(shardings))]
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-# -- the tokenizer travels with the model -----------------------------------------------------------------
-def record_tokenizer(source, workdir: Path) -> None:
-    """Copy the tokenizer `source` (a data source) encodes with into `<workdir>/tokenizer/` with its
-    spec (tokenizer.json), so a run that starts from this one can encode text as it did. Process 0
-    writes; each file is renamed into place, so a reader finds whole files."""
-    tok = getattr(source, "tokenizer", None)
-    if tok is None or not hasattr(tok, "save") or jax.process_index() != 0:
-        return
-    directory = Path(workdir) / TOKENIZER_DIR
-    spec = tok.save(directory)
-    write_text(directory / "tokenizer.json", json.dumps({"spec": spec}))
-
-
-def recorded_tokenizer(workdir: Path | None) -> str | None:
-    """The tokenizer spec a run recorded in its workdir (absolute paths), or None."""
-    if workdir is None:
-        return None
-    f = Path(workdir) / TOKENIZER_DIR / "tokenizer.json"
-    if not f.exists():
-        return None
-    spec = json.loads(f.read_text())["spec"]
-    kind, _, rest = spec.partition(":")
-    return f"{kind}:{(f.parent / rest).absolute()}"
-
-
-def tokenizer_spec(config, workdir: Path) -> str | None:
-    """The tokenizer a run with an empty `data.tokenizer` uses: the one it recorded itself (a resumed
-    run), else its init_from run's, else (hf:) the checkpoint's vocab.txt; None when none applies."""
-    if "tokenizer" not in config.data or config.data.tokenizer:
-        return None
-    own = recorded_tokenizer(workdir)
-    if own:
-        return own
-    spec = str(config.model.get("init_from", "") or "")
-    if not spec:
-        return None
-    source = parse(spec)
-    if source.kind == "run":
-        found = recorded_tokenizer(source.workdir)
-        if found is None and source.workdir is not None:
-            # a run from before tokenizers were recorded: the tokenizer its config named, if any
-            ckpt = open_checkpoint(source)
-            found = str(ckpt.config.get("data", {}).get("tokenizer", "") or "") or None
-        return found
-    vocab = source.path / "vocab.txt"
-    return f"wordpiece:{vocab}" if vocab.exists() else None
-
-
-def trainable_mask(params, pattern: str):
-    """A bool per parameter leaf: does `pattern` ("query_key", "all", or a regular expression searched in
-    the dotted parameter path) select it."""
-    regex = {"query_key": r"attention\.(query|key)\.", "all": r""}.get(pattern, pattern)
-    compiled = re.compile(regex)
-    return jax.tree_util.tree_map_with_path(lambda p, _: bool(compiled.search(_dotted(p))), params)

@@ -1,0 +1,301 @@
+"""A training job: config -> mesh -> data -> model -> shardings -> steps -> state -> the loop.
+
+`run(config, workdir)` is what `train.py` calls; it is the list of those sections, each one call of a
+function below. The loop and the step functions are favor.train's; where a run's parameters and
+tokenizer come from, and its attention-transfer stage, are favor.uptrain's: this module joins them.
+
+The train state is a pytree {step, params, rest, opt_state, bad_step} and each stage's entries:
+`params` the model's nnx.Param state, `rest` everything else the model holds (random-feature draws,
+dropout rng counters, batch stats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from favor import checkpoint, configlib, data, models, sharding, tasks, uptrain
+from favor import attention as attention_lib
+from favor.attention import schedule
+from favor.data import atomic
+from favor.train import optim, stage as stage_lib
+from favor.train.loop import StageRun, Summary, train_loop
+from favor.train.steps import eval_step, evaluate, evaluate_stage, init_state, stage_step, train_step, with_features
+
+log = logging.getLogger("favor.train")
+
+FEATURES_STREAM = 0x0F0F        # ω's rng stream, apart from the params and dropout ones
+EVAL_FEATURES_STREAM = 0xE7A1   # the one ω every evaluation of a run uses
+
+
+# -- config -> model ---------------------------------------------------------------------------------
+def model_builder(config):
+    """(build: () -> the model, the model's full keyword set) from `config.model`."""
+    m = config.model.to_dict()
+    name, preset = m.pop("name"), m.pop("preset", "tiny")
+    m.pop("init_from", None)                          # a trainer option, not a model one (warm_start)
+    m["attention"] = attention_lib.block_options(config.model.attention)
+    ignored = attention_lib.ignored_block_options(config.model.attention)
+    if ignored:
+        log.info("attention %s does not take %s; ignored", m["attention"]["kind"], ", ".join(ignored))
+    kind = m["attention"]["kind"]
+    if not m["attention"].get("qk_norm") and not getattr(attention_lib.get(kind), "positive", True):
+        # sign-indefinite estimates at the norms queries and keys reach unnormalised: the denominators go
+        # near zero or negative (floored, but a floored row carries no signal), and the model barely learns
+        log.warning("attention %s without qk_norm trains poorly (the default job: trig 31 %%, HRF 24 %% "
+                    "against 95 %% and 94 %% with it; README, the kernel ablation); set "
+                    "--config.model.attention.qk_norm=l2", kind)
+    full = models.config(name, preset, **m)          # validates every key before anything is built
+    seed = int(config.seed)
+
+    def build():
+        return models.get(name, preset, rngs=nnx.Rngs(params=seed, dropout=seed + 1, features=seed + 2), **m)
+    return build, full
+
+
+def redraw_schedule(config) -> schedule.Redraw:
+    return schedule.parse(attention_lib.block_redraw(config.model.attention))
+
+
+def features_base(config):
+    return jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), FEATURES_STREAM)
+
+
+def features_key(config, step):
+    """ω for `step`: its own stream folded with the step's redraw window, so a resumed run draws
+    exactly what an uninterrupted one does."""
+    return redraw_schedule(config).key(features_base(config), step)
+
+
+def build_source(config):
+    """The data source; on several processes process 0 builds it first (first-use work: a local corpus,
+    a tokenizer, packed tokens, written to a shared data_dir), the others then find it prepared."""
+    if jax.process_count() == 1:
+        return data.get(config.data)
+    source = data.get(config.data) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("favor: data prepared")
+    return source if source is not None else data.get(config.data)
+
+
+# -- the run's sections ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """How the run builds its model and train state, known before any memory is used."""
+    graphdef: Any
+    init: Callable[[], dict]       # a fresh train state (jitted with out_shardings to create it)
+    abstract: dict                 # the train state's shapes and dtypes
+    logical: Any                   # the parameters' logical axis names
+    tx: optax.GradientTransformation
+    lr_schedule: Callable          # of the run's step (the main training starts after the stages)
+    stages: tuple = ()             # favor.train.stage.Stage, run in order before the main training
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the train state and the batches live on the mesh."""
+    mesh: jax.sharding.Mesh
+    state: dict                    # a NamedSharding per train-state leaf
+    abstract: dict                 # the train state's ShapeDtypeStructs with those shardings
+    pad_hosts: bool                # the source sizes batches per host: pad hosts to a common shape
+
+    @property
+    def replicated(self):
+        return sharding.replicated(self.mesh)
+
+    @property
+    def batch(self):
+        return sharding.batch_sharding(self.mesh)
+
+    def global_batch(self, local):
+        return sharding.global_batch(local, self.mesh, self.pad_hosts)
+
+
+def make_data(config):
+    source = build_source(config)
+    task = tasks.get(config.task)
+    if hasattr(task, "bind"):        # tasks that need what the data built (the CTC task decodes with its tokenizer)
+        task.bind(source)
+    return source, task
+
+
+def make_model(config, source) -> ModelPlan:
+    build, model_cfg = model_builder(config)
+    needed = getattr(source, "vocab_size", None)     # a tokenizer's vocabulary must fit the embedding
+    if needed and "vocab_size" in model_cfg and model_cfg["vocab_size"] < needed:
+        raise ValueError(f"config.model.vocab_size {model_cfg['vocab_size']} is smaller than the tokenizer's "
+                         f"{needed} pieces; set --config.model.vocab_size={needed} (or larger)")
+    abstract_model = nnx.eval_shape(build)
+    graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
+    stages = make_stages(config, abs_params)
+    main_start = stage_lib.total_steps(stages)        # the step the main training starts at
+    tx, schedule_ = optim.make(config.optim, max(int(config.total_steps) - main_start, 1), params=abs_params,
+                               num_layers=model_cfg["num_layers"])
+    lr_schedule = schedule_ if not main_start else (lambda step: schedule_(jnp.maximum(step - main_start, 0)))
+    init = lambda: init_state(build(), tx, stages)
+    return ModelPlan(graphdef, init, jax.eval_shape(init), models.logical_axes(abstract_model), tx, lr_schedule,
+                     stages)
+
+
+def make_stages(config, abstract_params) -> tuple:
+    """The run's stages before the main training: attention transfer when config.uptrain asks for it."""
+    def build_softmax():
+        softmax = config.copy_and_resolve_references()
+        with softmax.unlocked():
+            softmax.model.attention = {"kind": "softmax"}
+        return model_builder(softmax)[0]()
+    transfer = uptrain.transfer.stage(config.get("uptrain", {}), abstract_params, build_softmax)
+    return tuple(s for s in (transfer,) if s is not None)
+
+
+def make_layout(model: ModelPlan, mesh, rules, source) -> Layout:
+    param_sh = sharding.param_shardings(model.abstract["params"], model.logical, mesh, dict(rules))
+    rep = sharding.replicated(mesh)
+    opt_sh = optax.tree_map_params(model.tx, lambda _, s: s, model.abstract["opt_state"], param_sh,
+                                   transform_non_params=lambda _: rep)
+    state_sh = {"step": rep, "params": param_sh, "rest": jax.tree.map(lambda _: rep, model.abstract["rest"]),
+                "opt_state": opt_sh, "bad_step": rep}
+    for stage in model.stages:
+        state_sh.update({k: param_sh for k in stage.entry_keys})
+        state_sh[stage.opt_key] = optax.tree_map_params(stage.tx, lambda _, s: s, model.abstract[stage.opt_key],
+                                                        param_sh, transform_non_params=lambda _: rep)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, state_sh)
+    return Layout(mesh, state_sh, abstract, bool(getattr(source, "host_dependent_shapes", False)))
+
+
+def make_train_step(config, model: ModelPlan, task, layout: Layout):
+    step = partial(train_step, graphdef=model.graphdef, task=task, tx=model.tx, lr_schedule=model.lr_schedule,
+                   redraw=redraw_schedule(config), features_base=features_base(config),
+                   accumulate=int(config.optim.accumulate_steps))
+    return jax.jit(step, in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, layout.replicated),
+                   donate_argnums=0)
+
+
+def make_stage_runs(config, model: ModelPlan, task, source, layout: Layout) -> tuple[StageRun, ...]:
+    """Each stage's jitted step and evaluation (on the eval split, with the evaluation ω), in order."""
+    runs = []
+    for stage, first, end in stage_lib.spans(model.stages):
+        step = partial(stage_step, stage=stage, graphdef=model.graphdef, task=task, redraw=redraw_schedule(config),
+                       features_base=features_base(config))
+        step_fn = jax.jit(step, in_shardings=(layout.state, layout.batch),
+                          out_shardings=(layout.state, layout.replicated), donate_argnums=0)
+        runs.append(StageRun(stage, first, end, step_fn, _stage_evaluate(config, model, task, source, layout, stage)))
+    return tuple(runs)
+
+
+def _stage_evaluate(config, model: ModelPlan, task, source, layout: Layout, stage):
+    """state -> the stage's evaluation on the eval split (None when it has none)."""
+    if stage.evaluate is None:
+        return None
+    features_fn = eval_features_fn(config, model)
+    step_fn = jax.jit(partial(stage.evaluate, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
+
+    def run_eval(state):
+        batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
+        return evaluate_stage(state, batches, stage=stage, step_fn=step_fn, features_fn=features_fn)
+    return run_eval
+
+
+def restore_or_init(config, workdir: Path, model: ModelPlan, layout: Layout):
+    """(checkpointer, state, start step): the newest whole checkpoint, else a fresh (or warm) state."""
+    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=int(config.keep_checkpoints))
+    restored = ckpt.restore_latest(layout.abstract)
+    if restored is None:
+        state = jax.jit(model.init, out_shardings=layout.state)()
+        if config.model.get("init_from"):     # only here: a resumed run continues from its own checkpoints
+            origin = uptrain.parse(config.model.init_from)
+            state["params"] = uptrain.load_params(config, origin, state["params"], layout.state["params"])
+            for stage in model.stages:        # their entries from the parameters the run starts from
+                # copies: a step donates the state, and one buffer must not be donated twice
+                state.update(jax.tree.map(jnp.copy, stage.entries(state["params"])))
+        return ckpt, state, 0
+    state, meta, start = restored
+    log.info("resumed from step %d (%s, %.0f s of training before)", start, ckpt.directory,
+             float(meta.get("wall_seconds", 0.0)))
+    if int(meta.get("data_position", start)) != start:
+        raise RuntimeError(f"checkpoint {start}: data position {meta['data_position']} != step {start}")
+    return ckpt, state, start
+
+
+def eval_features_fn(config, model: ModelPlan):
+    """(params, rest) -> rest with the ω every evaluation of the run uses; None when ω is never redrawn."""
+    if not redraw_schedule(config).redraws:
+        return None
+    key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), EVAL_FEATURES_STREAM)
+    return jax.jit(partial(with_features, graphdef=model.graphdef, key=key))
+
+
+def make_evaluate(config, model: ModelPlan, task, source, layout: Layout) -> Callable[[dict], dict]:
+    """state -> the task's metrics on the whole eval split, with one fixed ω for every evaluation of a run."""
+    features_fn = eval_features_fn(config, model)
+    # outputs replicated: every host gets the whole batch's outputs (per-example predictions included),
+    # so the host-side metrics (GLUE F1, WER) see the full split on any number of processes
+    step_fn = jax.jit(partial(eval_step, graphdef=model.graphdef, task=task), out_shardings=layout.replicated)
+
+    def run_eval(state):
+        batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
+        return evaluate(state, batches, step_fn=step_fn, finalize=task.finalize, features_fn=features_fn)
+    return run_eval
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def run(config, workdir) -> Summary:
+    """Train `config` in `workdir`, resuming from its newest whole checkpoint. Returns the summary
+    (also written to workdir/summary.json) with the final train state as `summary.state`."""
+    t_start = time.perf_counter()
+    configlib.validate(config)           # every key, before anything is built or compiled
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    mesh = sharding.make_mesh(config.mesh)
+    config = with_tokenizer(config, workdir)
+    if jax.process_index() == 0:         # the whole config, overrides applied: what favor.tools.report compares
+        atomic.write_text(workdir / "config.json", config.to_json(indent=1))
+    source, task = make_data(config)
+    uptrain.record_tokenizer(source, workdir)
+    model = make_model(config, source)
+    layout = make_layout(model, mesh, config.sharding_rules, source)
+    step_fn = make_train_step(config, model, task, layout)
+    ckpt, state, start = restore_or_init(config, workdir, model, layout)
+    t_start -= float((ckpt.restored_meta or {}).get("wall_seconds", 0.0))   # a resumed run's clock goes on
+    evaluate_fn = make_evaluate(config, model, task, source, layout)
+    return train_loop(config, workdir, state, start, step_fn=step_fn, evaluate_fn=evaluate_fn, ckpt=ckpt,
+                      source=source, layout=layout, t_start=t_start,
+                      stages=make_stage_runs(config, model, task, source, layout),
+                      eval_first=bool(config.model.get("init_from")))
+
+
+def with_tokenizer(config, workdir: Path):
+    """`config`, with `data.tokenizer` set when it is empty and the run has a recorded tokenizer (its own,
+    resumed) or starts from a model that has one (favor.uptrain.tokenizer_spec)."""
+    spec = uptrain.tokenizer_spec(config, workdir)
+    if not spec:
+        return config
+    log.info("tokenizer: %s (%s)", spec, "this run's own" if str(workdir.absolute()) in spec else "the source model's")
+    config = config.copy_and_resolve_references()
+    config.data.tokenizer = spec
+    return config
+
+
+def rebuild(config, workdir: Path):
+    """(config, data source, task, model plan, layout, state) of a run rebuilt from the parameters of its
+    `model.init_from`, no step taken: what evaluating or inspecting a checkpoint starts from (the config
+    returned carries the tokenizer that travels with the source)."""
+    config = with_tokenizer(config, Path(workdir))
+    source, task = make_data(config)
+    model = make_model(config, source)
+    layout = make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
+    state = jax.jit(model.init, out_shardings=layout.state)()
+    state["params"] = uptrain.load_params(config, uptrain.parse(config.model.init_from), state["params"],
+                                          layout.state["params"])
+    for stage in model.stages:
+        state.update(jax.tree.map(jnp.copy, stage.entries(state["params"])))
+    return config, source, task, model, layout, state

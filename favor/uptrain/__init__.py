@@ -1,0 +1,16 @@
+"""Uptraining: a run that continues from another model's parameters (`config.model.init_from`).
+
+init_from    where the parameters come from (a favor run or checkpoint, a Hugging Face directory) and
+             how they are put in place
+tokenizer    the tokenizer that travels with the model from run to run
+transfer     attention transfer, the stage (favor.train.stage) that first trains the model around its
+             random-feature attention to imitate the softmax attention it replaces
+"""
+
+from favor.uptrain import transfer
+from favor.uptrain.init_from import FORMS, Origin, load_params, match, open_checkpoint, parse
+from favor.uptrain.tokenizer import TOKENIZER_DIR, record_tokenizer, recorded_tokenizer, tokenizer_spec
+from favor.uptrain.transfer import trainable_mask
+
+__all__ = ["FORMS", "Origin", "TOKENIZER_DIR", "load_params", "match", "open_checkpoint", "parse",
+           "record_tokenizer", "recorded_tokenizer", "tokenizer_spec", "trainable_mask", "transfer"]

@@ -1,0 +1,79 @@
+"""The torch side of the Hugging Face tests, run as its own process: `python hf_reference.py OUT`.
+
+Builds tiny random BERT/ViT models with transformers (torch CPU), saves each to OUT/<case>/ with
+save_pretrained, and writes the reference outputs on fixed inputs to OUT/<case>/reference.npz. The
+tests then import the checkpoints with favor and compare, in processes that never load torch: torch
+and jaxlib in one process was the suspect of the suite's native crashes (each ships its own OpenMP
+and allocator hooks), and importing torch cost every pytest worker seconds and memory.
+
+This file imports no favor and no JAX; the inputs it runs are made by `inputs()`, which the tests
+import too (numpy only).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+BERT = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+            max_position_embeddings=40, type_vocab_size=2)
+VIT = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+           intermediate_size=48)
+GLUE_BERT = dict(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=32, num_labels=2)
+# case -> (architecture, config, seed)
+CASES = {
+    "BertModel": ("BertModel", dict(BERT, num_labels=3), 0),
+    "BertForMaskedLM": ("BertForMaskedLM", dict(BERT, num_labels=3), 0),
+    "BertForSequenceClassification": ("BertForSequenceClassification", dict(BERT, num_labels=3), 0),
+    "stsb": ("BertForSequenceClassification", dict(BERT, num_labels=1), 1),
+    "ViTModel": ("ViTModel", dict(VIT, num_labels=5), 0),
+    "ViTForImageClassification": ("ViTForImageClassification", dict(VIT, num_labels=5), 0),
+    "glue": ("BertForSequenceClassification", GLUE_BERT, 0),
+}
+
+
+def inputs():
+    """(ids, token types, attention mask) for BERT [3, 14] (two rows padded) and images [2, 16, 16, 3]."""
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 101, (3, 14))
+    types = rng.randint(0, 2, (3, 14))
+    mask = np.ones((3, 14), np.int64)
+    mask[1, 9:] = 0
+    mask[2, 4:] = 0
+    images = np.random.RandomState(0).normal(size=(2, 16, 16, 3)).astype(np.float32)
+    return ids, types, mask, images
+
+
+def write(out: Path) -> None:
+    import torch
+    import transformers
+
+    ids, types, mask, images = inputs()
+    for case, (arch, cfg, seed) in CASES.items():
+        torch.manual_seed(seed)
+        config_cls = transformers.ViTConfig if arch.startswith("ViT") else transformers.BertConfig
+        model = getattr(transformers, arch)(config_cls(**cfg))
+        model.eval()
+        model.save_pretrained(out / case, safe_serialization=True)
+        with torch.no_grad():
+            if arch.startswith("ViT"):
+                ref = model(pixel_values=torch.tensor(images.transpose(0, 3, 1, 2)), output_hidden_states=True)
+            else:
+                ref = model(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types),
+                            attention_mask=torch.tensor(mask), output_hidden_states=True)
+        arrays = {"hidden": ref.hidden_states[-1].numpy()}
+        for name in ("last_hidden_state", "pooler_output", "logits"):
+            if getattr(ref, name, None) is not None:
+                arrays[name] = getattr(ref, name).numpy()
+        if arch.startswith("Bert"):
+            bert = model if arch == "BertModel" else model.bert
+            # the first layer's query weight as torch stores it ([out, in]), for the warm-start test
+            arrays["layer0_query_weight"] = bert.encoder.layer[0].attention.self.query.weight.detach().numpy()
+        np.savez(out / case / "reference.npz", **arrays)
+
+
+if __name__ == "__main__":
+    write(Path(sys.argv[1]))
