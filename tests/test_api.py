@@ -133,9 +133,13 @@ def test_estimate_shapes_property(batch, lx, ly, d, m):
     mech = kernels.get("sderf")
     x = jnp.full((*batch, lx, d), 0.1)
     y = jnp.full((*batch, ly, d), -0.2)
-    p = mech.fit(x, y)
-    w = mech.draw(jax.random.PRNGKey(0), m, p, coupling="orthogonal")
-    est = mech.estimate(x, y, w, p)
+
+    @jax.jit               # one program per shape, not an eager compile per operation
+    def estimate(x, y):
+        p = mech.fit(x, y)
+        w = mech.draw(jax.random.PRNGKey(0), m, p, coupling="orthogonal")
+        return mech.estimate(x, y, w, p)
+    est = estimate(x, y)
     assert est.shape == (*batch, lx, ly)
     assert np.all(np.isfinite(np.asarray(est)))
 

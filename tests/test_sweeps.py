@@ -65,8 +65,8 @@ from favor import sweeps
 
 def get_config(arg=None):
     c = default.get_config("runlocal")
-    c.total_steps = int(os.environ.get("SWEEP_TEST_STEPS", 96))     # the test's first pass runs "forever"
-    c.eval_every, c.checkpoint_every, c.log_every = 48, 4, 4
+    c.total_steps = int(os.environ.get("SWEEP_TEST_STEPS", 48))     # the test's first pass runs "forever"
+    c.eval_every, c.checkpoint_every, c.log_every = 24, 4, 4
     return c
 
 def sweep():
@@ -102,14 +102,14 @@ def test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports(tmp_pa
     assert [r["name"] for r in json.loads((sweep_dir / "sweep.json").read_text())["runs"]] == names
     assert json.loads((sweep_dir / names[0] / "sweep_status.json").read_text())["status"] == "stopped"
     stopped = json.loads((sweep_dir / names[0] / "summary.json").read_text())
-    assert stopped["preempted"] and 4 <= stopped["step"] < 96, stopped["step"]
+    assert stopped["preempted"] and 4 <= stopped["step"] < 48, stopped["step"]
     assert not (sweep_dir / names[1]).exists()
     # the whole sweep, two at a time: run 0 resumes from its checkpoint and runs to the end
     both = subprocess.run(sweep_cmd(config, sweep_dir, "--parallel", "2"), capture_output=True, text=True)
     assert both.returncode == 1, both.stdout + both.stderr[-3000:]
     assert "resumed from step" in (sweep_dir / names[0] / "train.log").read_text()
     resumed = json.loads((sweep_dir / names[0] / "summary.json").read_text())
-    assert resumed["step"] == 96 and not resumed["preempted"]
+    assert resumed["step"] == 48 and not resumed["preempted"]
     assert resumed["wall_seconds"] > stopped["wall_seconds"]      # the clock went on from the checkpoint's
     # rerun: the finished runs are skipped, the failed one is tried again
     again = subprocess.run(sweep_cmd(config, sweep_dir, "--parallel", "2"), capture_output=True, text=True)
@@ -126,7 +126,7 @@ def test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports(tmp_pa
     assert json.loads((run1 / "config.json").read_text())["seed"] == 1
     summary = json.loads((run1 / "summary.json").read_text())
     import orbax.checkpoint as ocp
-    restored = ocp.StandardCheckpointer().restore(run1 / "checkpoints" / "96" / "state")
+    restored = ocp.StandardCheckpointer().restore(run1 / "checkpoints" / "48" / "state")
     assert summary["num_params"] == sum(np.asarray(x).size for x in __import__("jax").tree.leaves(restored["params"]))
     assert summary["wall_seconds"] > 0
 
@@ -141,7 +141,7 @@ def test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports(tmp_pa
     for n in names[:2]:
         assert rows[n]["status"] == "finished" and rows[n]["final"] == json.loads(
             (sweep_dir / n / "summary.json").read_text())["accuracy"]
-        assert rows[n]["num_params"] == summary["num_params"] and rows[n]["best_step"] in (48, 96)
+        assert rows[n]["num_params"] == summary["num_params"] and rows[n]["best_step"] in (24, 48)
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     assert "| kind=softmax_seed=1 |" in out.stdout
     assert f"- {names[2]}: error: config.model.attention.kind='no-such-kind': must be one of" in out.stdout
