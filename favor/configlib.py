@@ -339,9 +339,11 @@ def _validate_model(config) -> None:
     if preset not in models.preset_names(name):
         raise ConfigError("model.preset", preset, f"must be one of {', '.join(models.preset_names(name))}")
     for key, v in d.items():
-        # every integer a model takes is a size or count (hidden, heads, layers, vocab, patches, ...)
-        if _is_int(v) and v < 1:
-            raise ConfigError(f"model.{key}", v, "must be a positive integer")
+        # every integer a model takes is a size or count (hidden, heads, layers, vocab, patches, ...);
+        # a model of no layers is a baseline without attention (configs/listops.py:bag)
+        if _is_int(v) and v < (0 if key == "num_layers" else 1):
+            raise ConfigError(f"model.{key}", v, "must be a non-negative integer" if key == "num_layers"
+                              else "must be a positive integer")
         if key.endswith("dropout") and not (_is_number(v) and 0 <= v < 1):
             raise ConfigError(f"model.{key}", v, "must be in [0, 1)")
     d["attention"] = options

@@ -194,3 +194,20 @@ def test_vit_sincos2d_positions_are_fixed_and_two_dimensional():
     assert out["hidden_states"].shape == (2, 64, 64)
     with pytest.raises(ValueError, match="unknown posemb 'rope'"):
         build("vit", posemb="rope")
+
+
+def test_bert_mean_pool_reads_only_valid_tokens():
+    """pool="mean": the pooler reads the mean over valid tokens, so what padding holds changes nothing,
+    and with no layers it is the bag of token embeddings (configs/listops.py:bag)."""
+    model = models.get("bert", "tiny", head="classification", num_labels=3, pool="mean", num_layers=0,
+                       rngs=nnx.Rngs(0))
+    ids = jnp.asarray([[5, 6, 7, 0, 0], [5, 6, 7, 9, 9]])
+    mask = jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
+    out = model(ids, None, mask)
+    np.testing.assert_allclose(out["pooled"][0], out["pooled"][1], atol=1e-6)
+    x = model.embedding_norm(model.word_embeddings(ids[:1, :3]) + model.position_embeddings(jnp.arange(3))[None]
+                             + model.token_type_embeddings(jnp.zeros((1, 3), jnp.int32)))
+    want = jnp.tanh(model.pooler(x.mean(1)))
+    np.testing.assert_allclose(out["pooled"][:1], want, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown pool 'max'; valid: cls, mean"):
+        models.get("bert", "tiny", pool="max", rngs=nnx.Rngs(0))

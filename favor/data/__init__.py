@@ -24,6 +24,7 @@ REGISTRY = Registry("dataset", {
     "text": "favor.data.text:MaskedText",              # MLM pretraining on a TFDS text builder
     "imagenet": "favor.data.imagenet:ImageNet",        # TFDS imagenet2012 (manual download)
     "speech": "favor.data.speech:Speech",              # TFDS librispeech or the espeak corpus
+    "listops": "favor.data.listops:Listops",           # ListOps by LRA's rules (favor_listops)
 })
 
 names, get, check = REGISTRY.names, REGISTRY.from_block, REGISTRY.check_block

@@ -7,6 +7,7 @@ name and data_dir differ. A corpus is built on first use (idempotent: a prepared
 
     python -m favor.data.local docstrings [--data_dir DIR]     # text for MLM pretraining
     python -m favor.data.local speech [--data_dir DIR]         # espeak-ng speech for the Conformer
+    python -m favor.data.local listops [--config 512]          # ListOps by LRA's rules
 
 The cache is $FAVOR_DATA_DIR, else ~/.cache/favor/tensorflow_datasets.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 CORPORA = {
     "docstrings": ("favor.data.docstrings", "favor_docstrings"),
     "speech": ("favor.data.espeak", "favor_speech"),
+    "listops": ("favor.data.listops", "favor_listops"),
 }
 
 
@@ -54,8 +56,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m favor.data.local", description=__doc__.split("\n\n")[0])
     parser.add_argument("corpus", choices=sorted(CORPORA))
     parser.add_argument("--data_dir", default=None, help=f"default: {cache_dir()}")
+    parser.add_argument("--config", default=None, help="a builder config of the corpus (speech: tiny; listops: "
+                                                       "256, 512, 1024, lra, tiny); default: the corpus's first")
     args = parser.parse_args(argv)
-    print(prepare(args.corpus, args.data_dir))
+    print(prepare(args.corpus, args.data_dir, args.config))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from flax import nnx
 from favor.models.layers import Mlp, SelfAttention, dense, layer_norm, meta
 
 HEADS = ("mlm", "classification", "regression", "none")
+# what the pooler reads: the first token ([CLS], BERT's) or the mean of the valid tokens (with no layers,
+# a bag of tokens: the baseline of a task without attention's mixing)
+POOLS = ("cls", "mean")
 
 
 def _normal(std):
@@ -52,6 +55,8 @@ class Bert(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs, **c):
         if c["head"] not in HEADS:
             raise ValueError(f"bert: unknown head {c['head']!r}; valid: {', '.join(HEADS)}")
+        if c["pool"] not in POOLS:
+            raise ValueError(f"bert: unknown pool {c['pool']!r}; valid: {', '.join(POOLS)}")
         self.config = dict(c)
         h, dt, pdt = c["hidden"], c["dtype"], c["param_dtype"]
         emb = lambda n, axes: nnx.Embed(n, h, dtype=dt, param_dtype=pdt, embedding_init=_normal(0.02),
@@ -95,7 +100,12 @@ class Bert(nnx.Module):
             x = layer(x, mask, deterministic)
         out = {"hidden_states": x}
         if self.pooler is not None:
-            out["pooled"] = jnp.tanh(self.pooler(x[:, 0]))
+            if c["pool"] == "mean":
+                w = (jnp.ones((b, l), x.dtype) if mask is None else mask.astype(x.dtype))[..., None]
+                first = jnp.sum(x * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+            else:
+                first = x[:, 0]
+            out["pooled"] = jnp.tanh(self.pooler(first))
         if c["head"] == "mlm":
             if mlm_positions is not None:
                 x = jnp.take_along_axis(x, jnp.asarray(mlm_positions)[..., None], axis=1)

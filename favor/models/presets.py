@@ -14,7 +14,7 @@ DEFAULTS = {
     "bert": dict(vocab_size=30522, hidden=768, num_layers=12, heads=12, mlp_dim=3072, max_positions=512,
                  type_vocab_size=2, dropout=0.1, attention_dropout=0.1, layer_norm_eps=1e-12,
                  attention=DEFAULT_ATTENTION, head="mlm", num_labels=2, pooler=True,
-                 dtype="float32", param_dtype="float32"),
+                 pool="cls", dtype="float32", param_dtype="float32"),
     "vit": dict(image_size=224, patch_size=16, channels=3, hidden=768, num_layers=12, heads=12,
                 mlp_dim=3072, num_classes=1000, pool="cls", posemb="learn", pooler=False, dropout=0.0,
                 attention_dropout=0.0, layer_norm_eps=1e-12, attention=DEFAULT_ATTENTION,

@@ -1,5 +1,6 @@
 """Image (or any input) classification: softmax cross-entropy; accuracy, and top-5 accuracy in eval
-when there are at least 5 classes (ImageNet reports top-1 and top-5)."""
+when there are at least 5 classes (ImageNet reports top-1 and top-5). `input`: the batch key the model
+reads ("image"), or "text": a token classifier's (input_ids, token_type_ids, attention_mask)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ class Classification:
         self.input, self.label_smoothing = input, float(label_smoothing)
 
     def _logits(self, model, batch, deterministic):
-        return model(batch[self.input], deterministic=deterministic)["logits"].astype(jnp.float32)
+        if self.input == "text":
+            out = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], deterministic=deterministic)
+        else:
+            out = model(batch[self.input], deterministic=deterministic)
+        return out["logits"].astype(jnp.float32)
 
     @staticmethod
     def _targets(labels, num_classes):
