@@ -54,7 +54,7 @@ def _flip(a):
 
 
 def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span):
-    """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as linear._causal_sums gives them.
+    """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as linear.causal_sums gives them.
     The key *inputs* move w + 1 positions later (the first w + 1 rows no key), so the causal pass makes
     the features span by span from them, as the plain causal pass does."""
     s = window + 1
