@@ -288,7 +288,8 @@ def with_tokenizer(config, workdir: Path):
 def rebuild(config, workdir: Path):
     """(config, data source, task, model plan, layout, state) of a run rebuilt from the parameters of its
     `model.init_from`, no step taken: what evaluating or inspecting a checkpoint starts from (the config
-    returned carries the tokenizer that travels with the source)."""
+    returned carries the tokenizer that travels with the source; the stages' entries are made from the
+    loaded parameters, as a fresh run's are)."""
     config = with_tokenizer(config, Path(workdir))
     source, task = make_data(config)
     model = make_model(config, source)

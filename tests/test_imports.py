@@ -103,3 +103,6 @@ def test_every_command_entry_point_names_a_function():
     for name, target in scripts.items():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)), name
+    # a console script exits with main()'s return value: 0 (or None) on success
+    demo = importlib.import_module("favor.tools.demo")
+    assert demo.main(["--dim", "4", "--features", "4", "--repeats", "2"]) == 0
