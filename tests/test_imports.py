@@ -94,8 +94,9 @@ def test_the_graph_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}}) == []
 
 
-def test_every_command_entry_point_names_a_function():
-    """pyproject's [project.scripts]: each 'module:function' imports and is callable."""
+def test_every_command_entry_point_names_a_function(monkeypatch):
+    """pyproject's [project.scripts]: each 'module:function' imports and is callable, and a command's
+    main returns its exit status (the console script exits with it)."""
     import importlib
     import tomllib
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -105,4 +106,6 @@ def test_every_command_entry_point_names_a_function():
         assert callable(getattr(importlib.import_module(module), function)), name
     # a console script exits with main()'s return value: 0 (or None) on success
     demo = importlib.import_module("favor.tools.demo")
+    monkeypatch.setattr(demo, "table", lambda *a: [])              # the table itself: seconds of draws
+    monkeypatch.setattr(demo, "format_table", lambda *a: "")
     assert demo.main(["--dim", "4", "--features", "4", "--repeats", "2"]) == 0
