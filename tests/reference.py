@@ -208,7 +208,6 @@ def explicit_attention(attn, q, k, v, mask=None, causal=False, rng=None, stats=N
     band), then W V / W 1 with a plain division. It shares the feature map with the code under test,
     never its stabilisers, chunking, scans or guards: what its autodiff checks is the linear core's
     backward pass. Call under jax.enable_x64."""
-    import jax
     import jax.numpy as jnp
     f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
     ctx = attn.context(q, k, mask, rng, None, None, None, stats, causal) if hasattr(attn, "mech") else None
