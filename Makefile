@@ -18,7 +18,7 @@ train: $(STAMP)
 # A test still running after 600 s (the longest take ~100 s) is taken for hung and fails, naming
 # itself, instead of holding the suite. No test is rerun: the native crashes that once took down a
 # worker in full runs (segfaults and "LLVM ERROR: Unable to allocate section memory" in XLA
-# compilation) have not recurred in the eight full runs logged since each test module releases its
+# compilation) have not recurred in the ten full runs logged since each test module releases its
 # compiled programs (tests/conftest.py), and no test process loads torch beside jaxlib any more
 # (tests/hf_reference.py): a crash now fails the suite, to be found, not retried.
 PYTEST_FLAGS := --timeout 600 --timeout-method thread
