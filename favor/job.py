@@ -137,7 +137,7 @@ def make_model(config, source) -> ModelPlan:
     abstract_model = nnx.eval_shape(build)
     graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
     stages = make_stages(config, abs_params)
-    main_start = stage_lib.total_steps(stages)        # the step the main training starts at
+    main_start = stage_lib.main_start(stages)
     tx, schedule_ = optim.make(config.optim, max(int(config.total_steps) - main_start, 1), params=abs_params,
                                num_layers=model_cfg["num_layers"])
     lr_schedule = schedule_ if not main_start else (lambda step: schedule_(jnp.maximum(step - main_start, 0)))
@@ -212,11 +212,7 @@ def restore_or_init(config, workdir: Path, model: ModelPlan, layout: Layout):
     if restored is None:
         state = jax.jit(model.init, out_shardings=layout.state)()
         if config.model.get("init_from"):     # only here: a resumed run continues from its own checkpoints
-            origin = uptrain.parse(config.model.init_from)
-            state["params"] = uptrain.load_params(config, origin, state["params"], layout.state["params"])
-            for stage in model.stages:        # their entries from the parameters the run starts from
-                # copies: a step donates the state, and one buffer must not be donated twice
-                state.update(jax.tree.map(jnp.copy, stage.entries(state["params"])))
+            state = warm_start(config, model, layout, state)
         return ckpt, state, 0
     state, meta, start = restored
     log.info("resumed from step %d (%s, %.0f s of training before)", start, ckpt.directory,
@@ -224,6 +220,17 @@ def restore_or_init(config, workdir: Path, model: ModelPlan, layout: Layout):
     if int(meta.get("data_position", start)) != start:
         raise RuntimeError(f"checkpoint {start}: data position {meta['data_position']} != step {start}")
     return ckpt, state, start
+
+
+def warm_start(config, model: ModelPlan, layout: Layout, state):
+    """`state` with the parameters of `model.init_from` put in place, and every stage's entries made from
+    them (copies: a step donates the state, and one buffer must not be donated twice)."""
+    state = dict(state)
+    state["params"] = uptrain.load_params(config, uptrain.parse(config.model.init_from), state["params"],
+                                          layout.state["params"])
+    for stage in model.stages:
+        state.update(jax.tree.map(jnp.copy, stage.entries(state["params"])))
+    return state
 
 
 def eval_features_fn(config, model: ModelPlan):
@@ -294,9 +301,5 @@ def rebuild(config, workdir: Path):
     source, task = make_data(config)
     model = make_model(config, source)
     layout = make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
-    state = jax.jit(model.init, out_shardings=layout.state)()
-    state["params"] = uptrain.load_params(config, uptrain.parse(config.model.init_from), state["params"],
-                                          layout.state["params"])
-    for stage in model.stages:
-        state.update(jax.tree.map(jnp.copy, stage.entries(state["params"])))
+    state = warm_start(config, model, layout, jax.jit(model.init, out_shardings=layout.state)())
     return config, source, task, model, layout, state

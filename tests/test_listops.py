@@ -19,7 +19,7 @@ from configs import listops as listops_config  # noqa: E402
 
 def _answer(text):
     """The answer of an expression, computed here from the operators' definitions alone (a recursive
-    descent over the tokens, not favor's stack)."""
+    descent over the text, not favor's evaluation of the tree)."""
     toks = text.split()
 
     def parse(i):
@@ -86,8 +86,9 @@ def test_the_operator_probability_is_a_quarter_and_arguments_are_uniform():
 
 
 def test_median_of_an_even_count_is_truncated_as_the_generator_does():
-    assert listops.evaluate("[MED 1 2 ]".split()) == 1 and listops.evaluate("[MED 3 8 1 9 ]".split()) == 5
-    assert listops.evaluate("[SM 9 9 [MAX 4 7 ] ]".split()) == 5
+    assert listops.value(("[MED", [1, 2])) == 1 and listops.value(("[MED", [3, 8, 1, 9])) == 5
+    assert listops.value(("[SM", [9, 9, ("[MAX", [4, 7])])) == 5
+    assert _answer("[MED 3 8 1 9 ]") == 5        # the test's own reading agrees
 
 
 def test_the_dataset_builds_and_the_source_reads_padded_rows(tmp_path):

@@ -8,7 +8,6 @@ from favor.attention.kinds import KINDS
 from favor.registry import Registry
 
 REGISTRY = Registry("attention kind", {cls.name: cls for cls in KINDS})
-_REGISTRY = REGISTRY.entries
 OWN_DEFAULT = ("coupling", "redraw")      # block keys whose empty value means "the kind's own"
 
 
@@ -28,12 +27,12 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     and what is allowed."""
     body, at, window = str(spec).partition("@")
     kind, colon, variant = body.partition(":")
-    if kind not in _REGISTRY:
-        raise ValueError(f"unknown attention kind {kind!r} in {spec!r}; valid: {', '.join(_REGISTRY)}")
-    cls, options = _REGISTRY[kind], {}
+    if kind not in REGISTRY.entries:
+        raise ValueError(f"unknown attention kind {kind!r} in {spec!r}; valid: {', '.join(REGISTRY.entries)}")
+    cls, options = REGISTRY.entries[kind], {}
     if colon:
         if cls.SPEC_OPTION is None:
-            with_variant = [name for name, c in _REGISTRY.items() if c.SPEC_OPTION]
+            with_variant = [name for name, c in REGISTRY.entries.items() if c.SPEC_OPTION]
             raise ValueError(f"{kind!r} has no variant (got {spec!r}); kinds with one: {', '.join(with_variant)}")
         options[cls.SPEC_OPTION] = variant
     if at:
@@ -51,10 +50,10 @@ def block_options(block) -> dict:
     `ignored_block_options` names what was left out."""
     options = {k: v for k, v in dict(block).items() if not (k in OWN_DEFAULT and not v)}
     kind = options.get("kind")
-    if kind not in _REGISTRY:
+    if kind not in REGISTRY.entries:
         raise ValueError(f"unknown attention kind {kind!r} (config.model.attention.kind); "
-                         f"valid: {', '.join(_REGISTRY)}")
-    accepted = {**_REGISTRY[kind].OPTIONS, **qknorm.OPTIONS}   # every kind takes the layer's qk_norm
+                         f"valid: {', '.join(REGISTRY.entries)}")
+    accepted = {**REGISTRY.entries[kind].OPTIONS, **qknorm.OPTIONS}   # every kind takes the layer's qk_norm
     return {"kind": kind, **{k: v for k, v in options.items() if k in accepted}}
 
 
@@ -69,4 +68,4 @@ def block_redraw(block) -> str:
     """The redraw schedule a run with this attention block uses: the block's, or the kind's own default
     (each random-feature kind's, from the measurements in its OPTIONS; "fixed" for kinds that draw
     nothing)."""
-    return dict(block).get("redraw") or _REGISTRY[dict(block)["kind"]].OPTIONS.get("redraw", "fixed")
+    return dict(block).get("redraw") or REGISTRY.entries[dict(block)["kind"]].OPTIONS.get("redraw", "fixed")

@@ -80,7 +80,7 @@ def tokens(tree) -> list[str]:
 
 
 def value(tree) -> int:
-    """The tree's answer, computed on the tree."""
+    """The tree's answer."""
     if isinstance(tree, int):
         return tree
     op, args = tree
@@ -94,33 +94,18 @@ def value(tree) -> int:
     return sum(vals) % 10
 
 
-def evaluate(toks) -> int:
-    """The answer of a token sequence, read with a stack (a second, independent reading of the text: the
-    tests check it against `value` of the tree)."""
-    stack = []
-    for t in toks:
-        if t == END:
-            args = []
-            while not isinstance(stack[-1], str):
-                args.append(stack.pop())
-            stack.append(value((stack.pop(), args[::-1])))
-        else:
-            stack.append(t if t in OPERATORS else int(t))
-    (answer,) = stack
-    return answer
-
-
 def examples(window: Window, seed: int):
     """Distinct (tokens, answer) pairs within `window`, enough for its three splits, in generation order."""
     rng, seen, out = random.Random(seed), set(), []
     total = window.num_train + window.num_validation + window.num_test
     while len(out) < total:
-        toks = tokens(generate(rng, 1, window.max_depth, window.max_args))
+        tree = generate(rng, 1, window.max_depth, window.max_args)
+        toks = tokens(tree)
         if window.min_length < len(toks) < window.max_length:
             key = " ".join(toks)
             if key not in seen:
                 seen.add(key)
-                out.append((key, evaluate(toks)))
+                out.append((key, value(tree)))
     return out
 
 

@@ -48,6 +48,6 @@ def spans(stages) -> list[tuple[Stage, int, int]]:
     return out
 
 
-def total_steps(stages) -> int:
-    """The step the main training starts at."""
+def main_start(stages) -> int:
+    """The step the main training starts at (every stage's steps before it)."""
     return sum(s.steps for s in stages)
