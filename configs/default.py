@@ -15,19 +15,22 @@ in under 5 minutes on 2 CPU cores (see README for the measured figure and the so
     python launch/sweep_local.py --config configs/default.py --workdir runs/ablation
     python -m favor.tools.report runs/ablation --plot runs/ablation/report.png
     configs/default.py:seeds=3           three seeds per kind (get_config ignores the sweep's args)
-    configs/default.py:seeds=3,qk_norms=none+l2   every kind with and without queries and keys on a sphere
-    configs/default.py:kinds=favor+hrf,redraws=step+fixed+every:100,qk_norm=l2   the redraw study
+    configs/default.py:seeds=3,qk_norms=none/l2   every kind with and without queries and keys on a sphere
+    configs/default.py:kinds=favor+/hrf,redraws=step/fixed/every:100,qk_norm=l2   the redraw study
+
+A sweep arg's list separates its values by "/" ("," separates the args, and "+" is in kind names).
 """
 
 import ml_collections
 
 from favor import configlib, sweeps
+from favor.attention import qknorm, schedule
 
 KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
 # kind-specific attention options: empty / False means "the kind's own default" (only options the arg
 # names go into the attention block, so e.g. favor# keeps its own variant unless asked)
 KIND_OPTIONS = dict(variant="", lambda_="", features="", importance_sampling=False, antithetic=False)
-# the sweep's axes (get_config ignores them): "+"-separated values; "none" is qk_norm ""
+# the sweep's axes (get_config ignores them): "/"-separated values; "none" is qk_norm ""
 SWEEP_ARGS = dict(seeds=2, kinds="", qk_norms="", redraws="")
 
 
@@ -71,19 +74,18 @@ def get_config(arg=None):
 
 def sweep(arg=None):
     """The kernel ablation: every attention kind (or `kinds`), each with `seeds` seeds (favor.tools.report
-    averages them); `qk_norms=none+l2` and `redraws=step+fixed+every:100` add those axes."""
+    averages them); `qk_norms=none/l2` and `redraws=step/fixed/every:100` add those axes."""
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    values = lambda s: tuple(v for v in s.split("+") if v)
-    kinds = values(args.kinds) or KINDS
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        raise ValueError(f"kinds: unknown {', '.join(unknown)}; valid: {'+'.join(KINDS)}")
+    kinds = configlib.values("kinds", args.kinds, KINDS) or KINDS
     axes = {"model.attention.kind": kinds}
     if args.qk_norms:
-        axes["model.attention.qk_norm"] = tuple("" if q == "none" else q for q in values(args.qk_norms))
+        norms = configlib.values("qk_norms", args.qk_norms, ("none",) + tuple(n for n in qknorm.NORMS if n))
+        axes["model.attention.qk_norm"] = tuple("" if q == "none" else q for q in norms)
     if args.redraws:
-        axes["model.attention.redraw"] = values(args.redraws)
+        axes["model.attention.redraw"] = configlib.values("redraws", args.redraws)
+        for spec in axes["model.attention.redraw"]:
+            schedule.parse(spec)            # a bad one fails the sweep here, not each of its runs later
     axes["seed"] = tuple(range(int(args.seeds)))
     yield from sweeps.product(axes)

@@ -12,20 +12,39 @@ at 2k tokens) so that one run takes minutes on 2 cores: 2 layers, 64 wide, 4 hea
 LRA's. `bag`: no attention layer, the mean of the token embeddings (a bag of tokens: what a model
 without attention's mixing can read), the baseline attention must beat.
 
-Args: kind (any attention kind), window (256 | 512 | 1024 | shallow | lra), steps, bag, runlocal (tiny, the tests').
+Args: kind (any attention kind), window (256 | 512 | 1024 | shallow | lra), steps, batch, bag, runlocal
+(tiny, the tests').
+
+`sweep()` yields the kernel ablation (`python -m favor.repro listops-kernels` runs it and rates it):
+every kind of `kinds`, FAVOR++ with a local softmax window of `band` tokens, and the bag of tokens,
+each with `seeds` seeds:
+
+    python launch/sweep_local.py --config configs/listops.py:window=256,steps=1500,batch=16 --workdir runs/lo
+    configs/listops.py:kinds=softmax/favor+,seeds=2,band=0     two kinds ("/" separates them), no window hybrid
 """
 
 import ml_collections
 
-from favor import configlib
+from favor import configlib, sweeps
 from favor.data.listops import NUM_CLASSES, VOCAB, WINDOWS
+
+KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
+# the sweep's axes (get_config ignores them): "/"-separated kinds; band 0 leaves the window hybrid
+# out, floor=False the bag of tokens
+SWEEP_ARGS = dict(seeds=3, kinds="/".join(KINDS), band=32, floor=True)
+
+
+def _args(arg):
+    return configlib.parse_arg(arg, kind="softmax", window="512", steps=3000, batch=32, bag=False,
+                               runlocal=False, **SWEEP_ARGS)
 
 
 def get_config(arg=None):
-    args = configlib.parse_arg(arg, kind="softmax", window="512", steps=3000, bag=False, runlocal=False)
+    # one config is one run: the sweep's args are ignored here
+    args = _args(arg)
     window = configlib.choice("window", args.window, tuple(WINDOWS))
-    c = configlib.run_config(total_steps=int(args.steps), batch_size=32, eval_batch_size=128, every=1000,
-                             log_every=100)
+    c = configlib.run_config(total_steps=int(args.steps), batch_size=int(args.batch), eval_batch_size=128,
+                             every=min(1000, max(1, int(args.steps) // 3)), log_every=100)
     c.data = {"name": "listops", "window": window, "eval_split": "validation", "data_dir": None}
     c.task = {"name": "classification", "input": "text", "label_smoothing": 0.0}
     c.model = ml_collections.ConfigDict()
@@ -49,3 +68,21 @@ def get_config(arg=None):
     if args.bag:
         c.model.num_layers, c.model.pool = 0, "mean"
     return c
+
+
+def sweep(arg=None):
+    """Every kind of `kinds` × `seeds` seeds, then FAVOR++ with exact softmax within `band` tokens, then
+    (`floor`) the bag of tokens (no attention layer) — the floor attention must clear."""
+    args = _args(arg)
+    if int(args.seeds) < 1:
+        raise ValueError(f"seeds={args.seeds}: expected 1 or more")
+    kinds = configlib.values("kinds", args.kinds, KINDS)
+    if not kinds:
+        raise ValueError(f"kinds: an empty list; valid: {'/'.join(KINDS)}")
+    seeds = tuple(range(int(args.seeds)))
+    yield from sweeps.product({"model.attention.kind": kinds, "seed": seeds})
+    if int(args.band) > 0:
+        yield from sweeps.product({"model.attention.kind": ("favor++",), "model.attention.window": (int(args.band),),
+                                   "seed": seeds})
+    if args.floor:
+        yield from sweeps.product({"model.num_layers": (0,), "model.pool": ("mean",), "seed": seeds})

@@ -62,6 +62,18 @@ def _convert(key: str, value: str | None, default):
     return value
 
 
+def values(name: str, text: str, allowed=None) -> tuple:
+    """A sweep arg's list: "softmax/favor+/favor++" -> ("softmax", "favor+", "favor++"). The separator is
+    "/" because "," separates the args themselves and "+" is part of kind names (favor+, favor++). A value
+    outside `allowed` (when given) is a ValueError listing the valid ones."""
+    out = tuple(dict.fromkeys(v.strip() for v in text.split("/") if v.strip()))
+    if allowed is not None:
+        bad = [v for v in out if v not in allowed]
+        if bad:
+            raise ValueError(f"{name}: unknown {', '.join(map(repr, bad))}; valid: {'/'.join(map(str, allowed))}")
+    return out
+
+
 def choice(name: str, value: str, allowed) -> str:
     """`value` if it is one of `allowed`, else a ValueError listing them."""
     if value not in allowed:

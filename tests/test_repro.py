@@ -18,6 +18,7 @@ COLUMNS = {
     "hrf-pointwise": ["r", "estimator", "quantity", "paper", "favor (analytic)", "favor (empirical)"],
     "favor-sharp-variance": ["regime", "σ", "GERF (favor: oprf) log(Var/K²)", "SDERF log(Var/K²)"],
     "importance-sampling": ["regime", "σ", "PosRF", "PosRF + IS", "V* (Cor. 2) / Cor. 1 bound"],
+    "listops-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "seeds"],
 }
 
 
@@ -38,12 +39,17 @@ def test_every_registered_reproduction_is_tested():
     assert set(repro.names()) == set(COLUMNS)
 
 
+# the reproductions that train: a sweep of train.py runs under <out>/runs
+TRAINED = ("listops-kernels",)
+
+
 @pytest.mark.parametrize("name", sorted(COLUMNS))
-def test_quick_run_writes_a_checked_report(name, tmp_path, capsys):
+def test_quick_run_writes_a_checked_report(name, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FAVOR_DATA_DIR", str(tmp_path / "data"))       # the local corpora, built here
     out = tmp_path / name
     assert main([name, "--quick", "--out", str(out)]) == 0
     files = {p.name for p in out.iterdir()}
-    assert files == {f"{name}.png", f"{name}.md", f"{name}.json"}, files   # no temporary left over
+    assert files == {f"{name}.png", f"{name}.md", f"{name}.json"} | ({"runs"} if name in TRAINED else set()), files
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((out / f"{name}.json").read_text())
     for col in COLUMNS[name]:
@@ -54,6 +60,14 @@ def test_quick_run_writes_a_checked_report(name, tmp_path, capsys):
     assert data["checks"] and not failed, failed
     md = (out / f"{name}.md").read_text()
     assert "| " + " | ".join(data["columns"]) + " |" in md and "--quick" in md
+    if name in TRAINED:
+        assert any("LRA Table 1" in text for text, _ in data["comparisons"]), data["comparisons"]
+        # a second call reuses the finished sweep: every run skipped, nothing retrained, the same figures
+        runs = json.loads((out / "runs" / "sweep.json").read_text())["runs"]
+        assert main([name, "--quick", "--out", str(out)]) == 0
+        log = (out / "runs" / "sweep.log").read_text().split("### ")[-1]
+        assert log.count("finished already; skipped") == len(runs) and "started run" not in log, log
+        assert json.loads((out / f"{name}.json").read_text())["figures"] == data["figures"]
 
 
 def test_list_names_every_reproduction(capsys):
@@ -66,6 +80,87 @@ def test_unknown_reproduction_is_a_clear_error(capsys):
     assert main(["crt-varience"]) == 2
     err = capsys.readouterr().err
     assert "crt-varience" in err and "crt-variance" in err
+
+
+def test_trained_comparisons_match_a_hand_computed_welch_z():
+    """trained.rate: z = (mean_a − mean_b) / √(sd_a²/n_a + sd_b²/n_b), sample sd, in the claim's direction."""
+    import numpy as np
+    from favor.repro import trained
+
+    a, b = (0.36, 0.33, 0.35), (0.18, 0.25, 0.16, 0.20)
+    z = (np.mean(a) - np.mean(b)) / np.sqrt(np.var(a, ddof=1) / 3 + np.var(b, ddof=1) / 4)
+    verdict, got = trained.rate(trained.Stat(a), trained.Stat(b))
+    assert verdict == "agrees" and got == pytest.approx(z, rel=1e-12)
+    assert trained.rate(trained.Stat(b), trained.Stat(a)) == ("disagrees", pytest.approx(-z, rel=1e-12))
+    # lower is better (a WER): the claim "a beats b" reads the difference the other way
+    assert trained.rate(trained.Stat(b), trained.Stat(a), higher_is_better=False)[0] == "agrees"
+    close = trained.rate(trained.Stat((0.30, 0.34)), trained.Stat((0.31, 0.35)))
+    assert close[0] == "within noise" and -2 < close[1] < 0
+    assert trained.rate(trained.Stat((0.5, 0.5)), trained.Stat((0.5, 0.5))) == ("within noise", 0.0)
+
+
+def _fake_run(name, kind, seed, accuracy, window=0, layers=2):
+    from favor.tools.report import RunRecord
+    config = {"model.attention.kind": kind, "model.attention.window": window, "model.num_layers": layers,
+              "seed": seed, "total_steps": 1000}
+    return RunRecord(name, None, config=config, status="finished", step=1000,
+                     summary={"step": 1000, "accuracy": accuracy, "steps_per_second": None if seed else 5.0,
+                              "num_params": 1234},
+                     curves={"eval/accuracy": [(500, accuracy - 0.01), (1000, accuracy)]})
+
+
+def test_listops_report_groups_the_settings_and_rates_them_by_hand_computed_z():
+    """listops-kernels' grouping and claims on made-up finished runs: the window hybrid and the bag of tokens
+    are settings of their own, Δ vs softmax and each z are the hand-computed Welch figures, and a setting
+    the sweep was asked for but lacks fails the check."""
+    import numpy as np
+    from favor.repro import listops_kernels as lk, trained
+
+    acc = {("softmax", 0): (0.330, 0.340, 0.335), ("favor+", 0): (0.200, 0.215, 0.190),
+           ("favor++", 0): (0.300, 0.330, 0.310), ("favor++", 32): (0.320, 0.325, 0.318),
+           ("bag", 0): (0.171, 0.171, 0.171)}
+    runs = [_fake_run(f"{k}{w}_{s}", "softmax" if k == "bag" else k, s, a, window=w, layers=0 if k == "bag" else 2)
+            for (k, w), values in acc.items() for s, a in enumerate(values)]
+    settings = trained.by_setting(runs, lk._label, "accuracy")
+    hybrid = "FAVOR++ + softmax band ±32"
+    assert list(settings) == ["softmax", "FAVOR+", "FAVOR++", hybrid, lk.BAG]
+    asked = ["softmax", "FAVOR+", "FAVOR++", hybrid, lk.BAG]
+    rep = lk._report(settings, runs, "/x/configs/listops.py:window=256,seeds=3", "256", 3, 32, asked)
+    rows = {r[0]: r for r in rep.rows}
+    a, b = np.array(acc[("favor+", 0)]), np.array(acc[("softmax", 0)])
+    se = np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 3)
+    assert rows["FAVOR+"][2] == f"{100 * (a.mean() - b.mean()):+.1f} ± {100 * se:.1f}"
+    assert rows["FAVOR+"][3] == "5" and [r[0] for r in rep.rows][0] == "softmax"     # best first
+    lra = next((t, v) for t, v in rep.comparisons if "LRA Table 1" in t)
+    assert lra[1] == "agrees" and f"z = {(b.mean() - a.mean()) / se:.1f}" in lra[0], lra
+    floor = next((t, v) for t, v in rep.comparisons if "bag of tokens" in t)
+    assert floor[1] == "agrees"            # the bag's sd is 0: the softmax side alone sets the SE
+    h, p = np.array(acc[("favor++", 32)]), np.array(acc[("favor++", 0)])
+    z = (h.mean() - p.mean()) / np.sqrt(h.var(ddof=1) / 3 + p.var(ddof=1) / 3)
+    band = next((t, v) for t, v in rep.comparisons if t.startswith(hybrid))
+    assert "FAVOR++ alone" in band[0] and band[1] == trained.rate(trained.Stat(tuple(h)), trained.Stat(tuple(p)))[0]
+    assert f"z = {z:.1f}" in band[0] and abs(z) < 2 and band[1] == "within noise"
+    weakest = next(t for t, _ in rep.comparisons if "weakest" in t)
+    assert "FAVOR+ (" in weakest                                      # the lowest random-feature mean
+    assert rep.checks[0][1] is True
+    missing = lk._report(settings, runs, "/x/configs/listops.py:seeds=3", "256", 3, 32, asked + ["ELU"])
+    assert missing.checks[0][1] is False
+
+
+def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, capsys, monkeypatch):
+    assert main(["listops-kernels", "--quick", "--seeds", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "--seeds 1" in capsys.readouterr().err
+    from favor.repro import trained
+    listops = trained.config_path("listops.py")
+    with pytest.raises(trained.SweepError, match=r"failed before starting a run.*kinds: unknown 'no-such-kind'"):
+        trained.run_sweep(listops + ":runlocal,kinds=no-such-kind,seeds=2,band=0", tmp_path / "bad", parallel=1)
+    # runs that start and fail: named, with the way to resume
+    one = listops + ":runlocal,kinds=softmax,seeds=2,band=0,floor=False"
+    with pytest.raises(trained.SweepError, match=r"did not finish.*kind=softmax_seed=0: failed.*Rerun the same"):
+        trained.run_sweep(one, tmp_path / "fails", parallel=2, extra=["--config.model.attention.kind=nope"])
+    # a workdir that holds another config's sweep is never mixed into this one
+    with pytest.raises(trained.SweepError, match=r"holds the sweep of another config"):
+        trained.run_sweep(one.replace("seeds=2", "seeds=3"), tmp_path / "fails", parallel=1)
 
 
 def test_interrupted_write_leaves_no_report(tmp_path, monkeypatch):

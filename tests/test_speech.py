@@ -350,3 +350,35 @@ def test_missing_or_unprepared_data_says_what_to_do(tmp_path):
         data.get({"name": "speech", "dataset": "timit"})
     with pytest.raises(ValueError, match=r"got unknown option\(s\) 'max_length'"):
         data.get({"name": "speech", "max_length": 3})
+
+
+def test_hard_espeak_corpus_draws_longer_noisier_perturbed_speech_and_keeps_the_default_corpus():
+    """favor_speech/hard: one or two phrases from the wider grammar, its rates, 5–20 dB SNR and a speed
+    perturbation that shortens or lengthens the 16 kHz clip by the resampling ratio; the default corpus's
+    draws are those it always had (pinned values)."""
+    from favor.data import espeak
+    hard = next(c for c in espeak.FavorSpeech.BUILDER_CONFIGS if c.name == "hard")
+    assert next(c for c in espeak.FavorSpeech.BUILDER_CONFIGS if c.name == "hard_tiny").sizes == (8, 4, 4)
+    words = set(espeak.DIGITS) | {w for group in espeak.WIDE.values() for p in group for w in p.split()} | \
+        {"THE", "WHERE", "IS", "HERE"}
+    draws = [espeak.draw(0, split, i, hard) for split in espeak.SPLITS for i in range(40)]
+    assert all(set(d.text.split()) <= words for d in draws)
+    assert {"WHERE", "SHELF", "PURPLE"} & {w for d in draws for w in d.text.split()}     # the wider grammar is used
+    assert all(110 <= d.rate <= 250 and 5 <= d.snr_db <= 20 and 0.9 <= d.speed <= 1.1 for d in draws)
+    assert max(len(d.text.split()) for d in draws) > 7           # two phrases: longer than any default utterance
+    assert len({round(d.speed, 3) for d in draws}) > 30
+    for i in (0, 3):
+        d = espeak.draw(0, "train", i, hard)
+        native = espeak.synthesize(d.text, espeak.VOICES[d.speaker], d.rate, d.pitch)
+        ex = espeak.utterance(0, "train", i, config=hard)
+        assert ex["text"] == d.text and ex["speech"].dtype == np.int16
+        assert len(ex["speech"]) == math.ceil(len(native) * 320 / round(441 * d.speed)), (d.speed, len(native))
+    # the default corpus: the same draws as ever (a cached favor_speech 1.2.0 stays valid)
+    pinned = {("train", 0): ("OPEN THE GREEN DOOR", 0, 131, 33, 42.132716),
+              ("validation", 5): ("ONE ONE FOUR", 10, 162, 47, 32.454537),
+              ("test", 7): ("TAKE THE BLACK CUP ON THE RIGHT", 12, 175, 61, 33.650831)}
+    for (split, i), want in pinned.items():
+        d = espeak.draw(0, split, i)
+        assert (d.text, d.speaker, d.rate, d.pitch, round(d.snr_db, 6), d.speed) == want + (1.0,)
+    c = conformer_librispeech.get_config("data=hard")
+    assert c.data.dataset == "local:hard" and c.data.max_frames == 480 and c.model.vocab_size == 96

@@ -56,6 +56,20 @@ def test_default_config_sweeps_kinds_times_seeds():
     default.get_config("seeds=3")          # the config itself accepts (and ignores) the sweep's arg
 
 
+def test_sweep_lists_keep_kind_names_with_plus_signs():
+    """"+" is part of kind names: a list arg separates by "/", and favor+ / favor++ stay themselves."""
+    runs = sweeps.load(str(ROOT / "configs/default.py") + ":seeds=1,kinds=favor+/favor++/favor,qk_norms=none/l2")
+    assert [(r.overrides["model.attention.kind"], r.overrides["model.attention.qk_norm"]) for r in runs] == \
+        [("favor+", ""), ("favor+", "l2"), ("favor++", ""), ("favor++", "l2"), ("favor", ""), ("favor", "l2")]
+    with pytest.raises(ValueError, match=r"kinds: unknown 'favor\+\+\+'; valid: softmax/"):
+        sweeps.load(str(ROOT / "configs/default.py") + ":kinds=favor+++")
+    runs = sweeps.load(str(ROOT / "configs/listops.py") + ":seeds=2,kinds=softmax/favor+,band=16")
+    assert [r.name for r in runs] == [
+        "kind=softmax_seed=0", "kind=softmax_seed=1", "kind=favor+_seed=0", "kind=favor+_seed=1",
+        "kind=favor++_window=16_seed=0", "kind=favor++_window=16_seed=1",
+        "num_layers=0_pool=mean_seed=0", "num_layers=0_pool=mean_seed=1"]
+
+
 # -- launch/sweep_local.py on real runs -----------------------------------------------------------------
 SWEEP_CONFIG = """
 import os, sys
@@ -240,7 +254,12 @@ def test_report_errors_name_the_bad_input(tmp_path, capsys):
         report.collect([tmp_path / "a"])
 
 
-def test_sweep_local_rejects_bad_arguments(tmp_path):
+def test_sweep_local_rejects_bad_arguments(tmp_path, capsys):
+    """Argument errors, in this process (the launcher's main; the runs above cover it as a program)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sweep_local", ROOT / "launch/sweep_local.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
     config = tmp_path / "c.py"
     config.write_text(textwrap.dedent("""
         def get_config(arg=None):
@@ -252,10 +271,11 @@ def test_sweep_local_rejects_bad_arguments(tmp_path):
     for flags, message in ((("--only", "5"), "run 5 does not exist (the sweep has runs 0..1)"),
                            (("--only", "x"), "'x' is not an index"), (("--only", "1-0"), "'1-0' is a reversed range"),
                            (("--only", ","), "names no run"), (("--parallel", "0"), "--parallel 0")):
-        out = subprocess.run(sweep_cmd(config, tmp_path / "s", *flags), capture_output=True, text=True)
-        assert out.returncode != 0 and message in out.stderr, out.stderr
-    dry = subprocess.run(sweep_cmd(config, tmp_path / "s", "--dry-run", "--only", "1", "--", "--config.x=1"),
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+        with pytest.raises(SystemExit) as e:
+            launcher.main(sweep_cmd(config, tmp_path / "s", *flags)[2:])
+        assert message in str(e.value.code), e.value.code
+    launcher.main(sweep_cmd(config, tmp_path / "s", "--dry-run", "--only", "1", "--", "--config.x=1")[2:])
+    dry = capsys.readouterr().out.splitlines()
     assert len(dry) == 1 and dry[0].endswith("--config.seed=1 --config.x=1") and not (tmp_path / "s").exists()
 
 

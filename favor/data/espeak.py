@@ -22,8 +22,10 @@ differs slightly. Voices are named as espeak-ng's voice files are, so both resol
 is its British English voice (1.1.0 called it "en-gb", a language code the program looked up; there
 "en-gb+m7" silently lost its variant and was the same voice as "en-gb", now "en+m7").
 
-Configs: "default" (the corpus `configs/conformer_librispeech.py:data=local` trains on) and "tiny"
-(a handful of clips for tests). Build: `python -m favor.data.local speech`.
+Configs: "default" (the corpus `configs/conformer_librispeech.py:data=local` trains on), "hard"
+(`data=hard`: one or two phrases from a wider grammar, faster and slower speech, speed perturbation and
+5-20 dB SNR, for a task that does not saturate), and "tiny" / "hard_tiny" (a handful of clips for
+tests). Build: `python -m favor.data.local speech [--config hard]`.
 """
 
 from __future__ import annotations
@@ -64,20 +66,38 @@ ACTIONS = ("MOVE", "PUT", "TAKE", "FIND", "OPEN", "CLOSE", "PUSH", "PULL")
 COLOURS = ("RED", "GREEN", "BLUE", "YELLOW", "BLACK", "WHITE")
 THINGS = ("BOX", "BALL", "DOOR", "CUP", "BOOK", "CHAIR", "LAMP", "KEY")
 PLACES = ("", "UP", "DOWN", "ON THE LEFT", "ON THE RIGHT", "NOW", "AGAIN")
+# the "hard" corpus's wider grammar: supersets of the lists above, and questions
+WIDE = {"actions": ACTIONS + ("GIVE", "SHOW", "DROP", "LIFT", "TURN", "PAINT", "CLEAN", "HIDE", "BRING", "CHECK"),
+        "colours": COLOURS + ("ORANGE", "PURPLE", "BROWN", "GREY", "PINK", "SILVER"),
+        "things": THINGS + ("TABLE", "WINDOW", "PHONE", "BOTTLE", "PLATE", "BAG", "CLOCK", "SHOE", "PEN", "CARD"),
+        "places": PLACES + ("UNDER THE TABLE", "NEAR THE DOOR", "BEHIND THE CHAIR", "TWICE", "SLOWLY",
+                            "INTO THE BAG", "ON THE SHELF")}
 
 
 @dataclasses.dataclass
 class FavorSpeechConfig(tfds.core.BuilderConfig):
     sizes: tuple = (4000, 300, 300)         # train, validation, test
     seed: int = 0
+    phrases: tuple = (1, 1)                 # phrases an utterance strings together, inclusive range
+    wide: bool = False                      # the wider grammar (WIDE, and questions)
+    rates: tuple = RATES                    # words per minute
+    snr_db: tuple = SNR_DB                  # white noise
+    speed: tuple = (1.0, 1.0)               # speed perturbation: the clip plays this many times faster
 
 
-def sentence(rng: np.random.Generator) -> str:
-    """A digit string or a command, upper case (the transcript as LibriSpeech writes it)."""
+def sentence(rng: np.random.Generator, wide: bool = False) -> str:
+    """A digit string or a command (wide: or a question), upper case (the transcript as LibriSpeech
+    writes it)."""
     if rng.random() < 0.5:
         return " ".join(DIGITS[d] for d in rng.integers(0, 10, int(rng.integers(1, 8))))
-    words = [ACTIONS[rng.integers(len(ACTIONS))], "THE", COLOURS[rng.integers(len(COLOURS))],
-             THINGS[rng.integers(len(THINGS))], PLACES[rng.integers(len(PLACES))]]
+    if not wide:
+        words = [ACTIONS[rng.integers(len(ACTIONS))], "THE", COLOURS[rng.integers(len(COLOURS))],
+                 THINGS[rng.integers(len(THINGS))], PLACES[rng.integers(len(PLACES))]]
+        return " ".join(w for w in words if w)
+    pick = {k: v[rng.integers(len(v))] for k, v in WIDE.items()}
+    words = {0: [pick["actions"], "THE", pick["colours"], pick["things"], pick["places"]],
+             1: ["WHERE IS THE", pick["colours"], pick["things"]],
+             2: ["IS THE", pick["things"], pick["places"] or "HERE"]}[int(rng.integers(3))]
     return " ".join(w for w in words if w)
 
 
@@ -274,24 +294,36 @@ class Draw:
     level: float          # peak amplitude, full scale = 1
     snr_db: float
     noise_seed: int
+    speed: float = 1.0
 
 
-def draw(seed: int, split: str, index: int) -> Draw:
-    """The draws of example `index` of `split`: a pure function of (seed, split, index)."""
+def draw(seed: int, split: str, index: int, config: FavorSpeechConfig | None = None) -> Draw:
+    """The draws of example `index` of `split` in corpus `config` (default: "default"): a pure function of
+    (config, seed, split, index). The default corpus's draws come first and in their order, so a config's
+    new options never change them."""
+    c = config or FavorSpeechConfig(name="default")
     rng = np.random.default_rng([seed, SPLITS.index(split), index])
     voices = SPLIT_VOICES[split]
-    return Draw(text=sentence(rng), speaker=VOICES.index(voices[rng.integers(len(voices))]),
-                rate=int(rng.integers(RATES[0], RATES[1] + 1)), pitch=int(rng.integers(PITCH[0], PITCH[1] + 1)),
-                level=float(rng.uniform(0.1, 0.9)), snr_db=float(rng.uniform(*SNR_DB)),
-                noise_seed=int(rng.integers(1 << 31)))
+    lo, hi = c.phrases
+    text = " ".join(sentence(rng, c.wide) for _ in range(lo if lo == hi else int(rng.integers(lo, hi + 1))))
+    d = Draw(text=text, speaker=VOICES.index(voices[rng.integers(len(voices))]),
+             rate=int(rng.integers(c.rates[0], c.rates[1] + 1)), pitch=int(rng.integers(PITCH[0], PITCH[1] + 1)),
+             level=float(rng.uniform(0.1, 0.9)), snr_db=float(rng.uniform(*c.snr_db)),
+             noise_seed=int(rng.integers(1 << 31)))
+    if c.speed[0] != c.speed[1]:
+        d = dataclasses.replace(d, speed=float(rng.uniform(*c.speed)))
+    return d
 
 
-def utterance(seed: int, split: str, index: int, binary: str | None = None) -> dict:
-    """Example `index` of `split` (a TFDS example dict), deterministic in (seed, split, index). `binary`: as
-    for `synthesize`."""
+def utterance(seed: int, split: str, index: int, binary: str | None = None,
+              config: FavorSpeechConfig | None = None) -> dict:
+    """Example `index` of `split` (a TFDS example dict), deterministic in (config, seed, split, index).
+    `binary`: as for `synthesize`."""
     from scipy.signal import resample_poly    # scipy's submodules load on use
-    d = draw(seed, split, index)
-    x = resample_poly(synthesize(d.text, VOICES[d.speaker], d.rate, d.pitch, binary), 320, 441)  # ×16000/22050
+    d = draw(seed, split, index, config)
+    # 22.05 -> 16 kHz (320/441); a speed s > 1 resamples to 16000/s instead (Kaldi's speed perturbation:
+    # faster and higher, like a tape played fast), the ratio rounded to 320 / round(441·s)
+    x = resample_poly(synthesize(d.text, VOICES[d.speaker], d.rate, d.pitch, binary), 320, round(441 * d.speed))
     x = x / max(np.max(np.abs(x)), 1e-6) * d.level
     noise = np.random.default_rng(d.noise_seed).standard_normal(len(x))
     x = x + noise * np.sqrt(np.mean(x ** 2) / 10 ** (d.snr_db / 10))
@@ -311,6 +343,12 @@ class FavorSpeech(tfds.core.GeneratorBasedBuilder):
     BUILDER_CONFIGS = [
         FavorSpeechConfig(name="default", description="4000 / 300 / 300 utterances (train / validation / test)."),
         FavorSpeechConfig(name="tiny", description="8 / 4 / 4 utterances, for tests.", sizes=(8, 4, 4)),
+        FavorSpeechConfig(name="hard", description="4000 / 300 / 300 utterances of one or two phrases from a "
+                          "wider grammar (76 words), 110-250 words a minute, speed 0.9-1.1, 5-20 dB SNR.",
+                          phrases=(1, 2), wide=True, rates=(110, 250), snr_db=(5.0, 20.0), speed=(0.9, 1.1)),
+        FavorSpeechConfig(name="hard_tiny", description="8 / 4 / 4 utterances of the hard corpus, for tests.",
+                          sizes=(8, 4, 4), phrases=(1, 2), wide=True, rates=(110, 250), snr_db=(5.0, 20.0),
+                          speed=(0.9, 1.1)),
     ]
 
     def _info(self):
@@ -336,5 +374,6 @@ class FavorSpeech(tfds.core.GeneratorBasedBuilder):
         # resample and add noise meanwhile; the program fallback runs one subprocess per thread
         seed = self.builder_config.seed
         with ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, 2)) as pool:
-            for i, ex in enumerate(pool.map(lambda i: utterance(seed, split, i, binary), range(size))):
+            config = self.builder_config
+            for i, ex in enumerate(pool.map(lambda i: utterance(seed, split, i, binary, config), range(size))):
                 yield i, ex

@@ -7,6 +7,7 @@ name and data_dir differ. A corpus is built on first use (idempotent: a prepared
 
     python -m favor.data.local docstrings [--data_dir DIR]     # text for MLM pretraining
     python -m favor.data.local speech [--data_dir DIR]         # espeak-ng speech for the Conformer
+    python -m favor.data.local speech --config hard            # longer, noisier, speed-perturbed speech
     python -m favor.data.local listops [--config 512]          # ListOps by LRA's rules
 
 The cache is $FAVOR_DATA_DIR, else ~/.cache/favor/tensorflow_datasets.
@@ -56,7 +57,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m favor.data.local", description=__doc__.split("\n\n")[0])
     parser.add_argument("corpus", choices=sorted(CORPORA))
     parser.add_argument("--data_dir", default=None, help=f"default: {cache_dir()}")
-    parser.add_argument("--config", default=None, help="a builder config of the corpus (speech: tiny; listops: "
+    parser.add_argument("--config", default=None, help="a builder config of the corpus (speech: tiny, hard; listops: "
                                                        "256, 512, 1024, lra, tiny); default: the corpus's first")
     args = parser.parse_args(argv)
     print(prepare(args.corpus, args.data_dir, args.config))

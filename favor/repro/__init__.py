@@ -23,6 +23,7 @@ REGISTRY = Registry("reproduction", {
     "hrf-pointwise": "favor.repro.hrf_pointwise",
     "favor-sharp-variance": "favor.repro.favor_sharp_variance",
     "importance-sampling": "favor.repro.importance_sampling",
+    "listops-kernels": "favor.repro.listops_kernels",
 })
 
 names = REGISTRY.names

@@ -8,7 +8,7 @@ import sys
 import time
 
 from favor import repro
-from favor.repro import report
+from favor.repro import report, trained
 
 
 def main(argv=None):
@@ -38,7 +38,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         result = module.run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, trained.SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.seconds = time.perf_counter() - t0

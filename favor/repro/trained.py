@@ -1,0 +1,207 @@
+"""What the reproductions that train share: a config's sweep run by launch/sweep_local.py (parallel,
+resumable: a rerun skips the finished runs and resumes the others from their checkpoints), read back
+by favor.tools.report, each setting's final metric as mean ± sd over its seeds, and two settings
+compared at two standard errors.
+
+A comparison's standard error is that of a difference of two means over independent seeds,
+√(sd_a²/n_a + sd_b²/n_b) with the sample sd (ddof 1): Welch's, without its degrees-of-freedom
+correction. With three seeds a side it is itself noisy: the difference over it follows a t
+distribution with 2–4 degrees of freedom, not a normal one, so a true tie passes 2 SE one way about
+6–9 % of the time (2.3 % for a normal), and a verdict "within noise" says the budget did not separate
+the two, not that they are equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from favor.repro.report import verdict
+from favor.tools import report as sweep_report
+
+ROOT = Path(__file__).resolve().parents[2]      # the checkout: configs/ and launch/ live beside favor/
+
+
+class SweepError(RuntimeError):
+    """A sweep that did not finish, or whose runs lack the metric: `python -m favor.repro` prints it and
+    exits 2 (any other error keeps its traceback)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stat:
+    """One setting's final metric over its seeds."""
+    values: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.values))
+
+    @property
+    def sd(self) -> float:
+        return float(np.std(self.values, ddof=1)) if self.n > 1 else math.nan
+
+    def text(self, scale=100.0, digits=1) -> str:
+        return f"{scale * self.mean:.{digits}f} ± {scale * self.sd:.{digits}f}" if self.n > 1 else \
+            f"{scale * self.mean:.{digits}f}"
+
+
+def difference(a: Stat, b: Stat) -> tuple[float, float]:
+    """(mean_a − mean_b, its standard error)."""
+    se = math.sqrt(a.sd ** 2 / a.n + b.sd ** 2 / b.n) if a.n > 1 and b.n > 1 else math.nan
+    return a.mean - b.mean, se
+
+
+def rate(better: Stat, worse: Stat, higher_is_better=True, margin=2.0) -> tuple[str, float]:
+    """The claim "`better` beats `worse`" against the figures: (verdict, z) with z the difference in the
+    claim's direction over its standard error (report.verdict: agrees beyond `margin` SE, disagrees
+    beyond −margin, else within noise). Equal figures with no spread are within noise."""
+    diff, se = difference(better, worse)
+    diff = diff if higher_is_better else -diff
+    if not se > 0:
+        z = 0.0 if diff == 0 or math.isnan(se) else math.copysign(math.inf, diff)
+    else:
+        z = diff / se
+    return verdict(z, margin), z
+
+
+def config_path(name: str) -> str:
+    """A config of the checkout, e.g. "listops.py" -> <root>/configs/listops.py (an error naming it when the
+    package runs from somewhere without the checkout's configs/)."""
+    path = ROOT / "configs" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the reproductions that train run the checkout's configs/ and "
+                                "launch/ (run from a clone of favor)")
+    return str(path)
+
+
+def run_sweep(config: str, workdir: Path, parallel: int, extra=()) -> list:
+    """Runs the sweep of `config` ("path.py:arg") in `workdir` with launch/sweep_local.py and returns its
+    runs (favor.tools.report records). The launcher's output goes to <workdir>/sweep.log. A workdir that
+    holds another config's sweep, a launcher that fails before any run starts, or a run that fails or
+    stops is a SweepError naming it: a reproduction never rates a partial or mixed sweep (rerunning the
+    same command resumes it)."""
+    workdir = Path(workdir)
+    listing = workdir / "sweep.json"
+    if listing.exists():
+        previous = json.loads(listing.read_text()).get("config")
+        if previous != config:
+            raise SweepError(f"{workdir} holds the sweep of another config ({previous}); this one is {config}: "
+                             "give another --workdir, or remove that one")
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(ROOT / "launch" / "sweep_local.py"), "--config", config, "--workdir", str(workdir),
+           "--parallel", str(parallel)] + (["--", *extra] if extra else [])
+    with open(workdir / "sweep.log", "a") as log:
+        log.write("### " + " ".join(cmd) + "\n")
+        log.flush()
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    if done.returncode:
+        lines = [ln.strip() for ln in (workdir / "sweep.log").read_text(errors="replace").splitlines() if ln.strip()]
+        if not listing.exists():
+            raise SweepError(f"the sweep launcher failed before starting a run (exit code {done.returncode}): "
+                             f"{lines[-1] if lines else 'no output'} (log: {workdir}/sweep.log)")
+        failed = "; ".join(f"{r.name}: {r.status}" + (f" ({r.error})" if r.error else "")
+                           for r in sweep_report.collect([workdir]) if r.status != "finished")
+        raise SweepError(f"the sweep in {workdir} did not finish (launcher exit code {done.returncode}): "
+                         f"{failed or (lines[-1] if lines else 'no output')}; logs: {workdir}/sweep.log and "
+                         "each run's train.log. Rerun the same command to resume it.")
+    runs = sweep_report.collect([workdir])
+    unfinished = [r.name for r in runs if r.status != "finished"]
+    if unfinished:                # after a clean exit only if another process works in the same directory
+        raise SweepError(f"{workdir}: runs {', '.join(unfinished)} are not finished although the launcher "
+                         "ended cleanly; is another sweep running there?")
+    return runs
+
+
+def sweep_wall_seconds(runs) -> float | None:
+    """Wall-clock seconds from the first run's start to the last run's end, as the launcher recorded them
+    (sweep_status.json): what the sweep cost, whichever process later reads it back."""
+    started = [r.sweep_status.get("started") for r in runs if r.sweep_status]
+    ended = [r.sweep_status.get("ended") for r in runs if r.sweep_status]
+    if not started or None in started or None in ended or len(ended) != len(runs):
+        return None
+    return float(max(ended) - min(started))
+
+
+def final_metric(run, metric: str) -> float:
+    value = sweep_report.row(run, metric)["final"]
+    if value is None:
+        raise SweepError(f"run {run.name} has no final {metric!r} (its summary.json and eval curve lack it)")
+    return float(value)
+
+
+def curve(run, metric: str) -> list[tuple[int, float]]:
+    return [(int(s), float(v)) for s, _, v in sweep_report.curve(run, metric)]
+
+
+def by_setting(runs, label, metric: str) -> dict[str, dict]:
+    """{label(run): {"stat": Stat of the final metric, "runs": [run, ...]}} in first-seen order; `label`
+    names a run's setting (its seed aside)."""
+    out: dict[str, dict] = {}
+    for r in runs:
+        entry = out.setdefault(label(r), {"runs": []})
+        entry["runs"].append(r)
+    for entry in out.values():
+        entry["stat"] = Stat(tuple(final_metric(r, metric) for r in entry["runs"]))
+    return out
+
+
+def mean_curve(runs, metric: str):
+    """(steps, mean, sd) of the eval metric over runs, on the steps every run evaluated."""
+    curves = [dict(curve(r, metric)) for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    values = np.array([[c[s] for s in steps] for c in curves], np.float64)
+    sd = values.std(0, ddof=1) if len(curves) > 1 else np.zeros(len(steps))
+    return steps, values.mean(0), sd
+
+
+def plot_settings(fig, settings: dict, metric: str, title: str, scale=100.0, unit="%", reference=None):
+    """Left: the eval metric against the step, the mean over seeds (band: ± sd). Right: each setting's
+    final metric, every seed a dot and the mean a diamond with ± 2 SE whiskers, sorted best first; `reference` (a label)
+    draws a vertical line at that setting's mean, the one the others are read against."""
+    ax_curve, ax_bar = fig.subplots(1, 2, width_ratios=[1, 1.1])
+    import matplotlib
+    colours = matplotlib.colormaps["tab20"]
+    order = sorted(settings, key=lambda k: -settings[k]["stat"].mean)
+    colour = {k: colours(i % 20) for i, k in enumerate(settings)}
+    for k, entry in settings.items():
+        steps, mean, sd = mean_curve(entry["runs"], metric)
+        ax_curve.plot(steps, scale * mean, marker="o", ms=3, color=colour[k], label=k)
+        ax_curve.fill_between(steps, scale * (mean - sd), scale * (mean + sd), color=colour[k], alpha=0.15)
+    ax_curve.set_xlabel("training step")
+    ax_curve.set_ylabel(f"eval {metric} ({unit}), mean over seeds ± sd")
+    ax_curve.grid(alpha=0.3)
+    ax_curve.set_title(f"eval {metric} during training")
+    ys = np.arange(len(order))[::-1]
+    for y, k in zip(ys, order):
+        stat = settings[k]["stat"]
+        se = stat.sd / math.sqrt(stat.n) if stat.n > 1 else 0.0
+        ax_bar.errorbar(scale * stat.mean, y, xerr=2 * scale * se, fmt="D", color=colour[k], ms=7, capsize=4)
+        ax_bar.plot([scale * v for v in stat.values], [y] * stat.n, "k.", ms=4)
+        ax_bar.text(scale * (stat.mean + 2 * se), y, f"  {stat.text(scale)}" + (" (sd)" if stat.n > 1 else ""),
+                    va="center", fontsize=8)
+    if reference in settings:
+        ax_bar.axvline(scale * settings[reference]["stat"].mean, color="k", ls="--", lw=1,
+                       label=f"{reference} (mean)")
+        ax_bar.legend(loc="lower right", fontsize=8)
+    ax_bar.set_yticks(ys, order, fontsize=8)
+    n = min(s["stat"].n for s in settings.values())
+    ax_bar.set_xlabel(f"final eval {metric} ({unit}): seeds as dots, ◆ mean ± 2 SE (n = {n})")
+    lo = min(min(s["stat"].values) for s in settings.values())
+    hi = max(max(s["stat"].values) for s in settings.values())
+    pad = 0.08 * (hi - lo or 1.0)
+    ax_bar.set_xlim(scale * (lo - pad), scale * (hi + 4 * pad))
+    ax_bar.grid(alpha=0.3, axis="x")
+    ax_bar.set_title(f"final {metric} per setting (best first)")
+    ax_curve.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=4)
+    fig.suptitle(title)
