@@ -23,10 +23,10 @@ A sweep arg's list separates its values by "/" ("," separates the args, and "+" 
 
 import ml_collections
 
-from favor import configlib, sweeps
+from favor import attention, configlib, sweeps
 from favor.attention import qknorm, schedule
 
-KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
+KINDS = attention.names()          # every registered kind, in the registry's order
 # kind-specific attention options: empty / False means "the kind's own default" (only options the arg
 # names go into the attention block, so e.g. favor# keeps its own variant unless asked)
 KIND_OPTIONS = dict(variant="", lambda_="", features="", importance_sampling=False, antithetic=False)

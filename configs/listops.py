@@ -16,19 +16,19 @@ Args: kind (any attention kind), window (256 | 512 | 1024 | shallow | lra), step
 (tiny, the tests').
 
 `sweep()` yields the kernel ablation (`python -m favor.repro listops-kernels` runs it and rates it):
-every kind of `kinds`, FAVOR++ with a local softmax window of `band` tokens, and the bag of tokens,
-each with `seeds` seeds:
+every kind of `kinds`, FAVOR++ with exact softmax for keys within `band` positions of the query, and
+the bag of tokens, each with `seeds` seeds:
 
-    python launch/sweep_local.py --config configs/listops.py:window=256,steps=1500,batch=16 --workdir runs/lo
+    python launch/sweep_local.py --config configs/listops.py:window=256,steps=1000,batch=16 --workdir runs/lo
     configs/listops.py:kinds=softmax/favor+,seeds=2,band=0     two kinds ("/" separates them), no window hybrid
 """
 
 import ml_collections
 
-from favor import configlib, sweeps
+from favor import attention, configlib, sweeps
 from favor.data.listops import NUM_CLASSES, VOCAB, WINDOWS
 
-KINDS = ("softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf")
+KINDS = attention.names()
 # the sweep's axes (get_config ignores them): "/"-separated kinds; band 0 leaves the window hybrid
 # out, floor=False the bag of tokens
 SWEEP_ARGS = dict(seeds=3, kinds="/".join(KINDS), band=32, floor=True)
@@ -71,7 +71,7 @@ def get_config(arg=None):
 
 
 def sweep(arg=None):
-    """Every kind of `kinds` × `seeds` seeds, then FAVOR++ with exact softmax within `band` tokens, then
+    """Every kind of `kinds` × `seeds` seeds, then FAVOR++ with exact softmax within `band` positions, then
     (`floor`) the bag of tokens (no attention layer) — the floor attention must clear."""
     args = _args(arg)
     if int(args.seeds) < 1:

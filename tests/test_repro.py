@@ -145,6 +145,13 @@ def test_listops_report_groups_the_settings_and_rates_them_by_hand_computed_z():
     assert rep.checks[0][1] is True
     missing = lk._report(settings, runs, "/x/configs/listops.py:seeds=3", "256", 3, 32, asked + ["ELU"])
     assert missing.checks[0][1] is False
+    # the sweep's cost comes from the launcher's records: first start to last end, runs at once
+    for i, r in enumerate(runs):
+        r.sweep_status = {"started": 1000.0 + 60 * i, "ended": 1000.0 + 60 * i + 150, "parallel": 2}
+    timed = lk._report(settings, runs, "/x/configs/listops.py:seeds=3", "256", 3, 32, asked)
+    assert f"{len(runs)} runs in {(60 * (len(runs) - 1) + 150) / 60:.0f} min of wall clock, 2 at a time" \
+        in timed.notes[0] and "`configs/listops.py:seeds=3`" in timed.notes[0]
+    assert "wall clock" not in rep.notes[0]                            # no records: no figure
 
 
 def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, capsys, monkeypatch):

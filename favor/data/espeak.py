@@ -85,6 +85,10 @@ class FavorSpeechConfig(tfds.core.BuilderConfig):
     speed: tuple = (1.0, 1.0)               # speed perturbation: the clip plays this many times faster
 
 
+# what makes the "hard" corpus (and its tests' "hard_tiny") harder than the default one
+HARD = dict(phrases=(1, 2), wide=True, rates=(110, 250), snr_db=(5.0, 20.0), speed=(0.9, 1.1))
+
+
 def sentence(rng: np.random.Generator, wide: bool = False) -> str:
     """A digit string or a command (wide: or a question), upper case (the transcript as LibriSpeech
     writes it)."""
@@ -344,11 +348,9 @@ class FavorSpeech(tfds.core.GeneratorBasedBuilder):
         FavorSpeechConfig(name="default", description="4000 / 300 / 300 utterances (train / validation / test)."),
         FavorSpeechConfig(name="tiny", description="8 / 4 / 4 utterances, for tests.", sizes=(8, 4, 4)),
         FavorSpeechConfig(name="hard", description="4000 / 300 / 300 utterances of one or two phrases from a "
-                          "wider grammar (76 words), 110-250 words a minute, speed 0.9-1.1, 5-20 dB SNR.",
-                          phrases=(1, 2), wide=True, rates=(110, 250), snr_db=(5.0, 20.0), speed=(0.9, 1.1)),
+                          "wider grammar (76 words), 110-250 words a minute, speed 0.9-1.1, 5-20 dB SNR.", **HARD),
         FavorSpeechConfig(name="hard_tiny", description="8 / 4 / 4 utterances of the hard corpus, for tests.",
-                          sizes=(8, 4, 4), phrases=(1, 2), wide=True, rates=(110, 250), snr_db=(5.0, 20.0),
-                          speed=(0.9, 1.1)),
+                          sizes=(8, 4, 4), **HARD),
     ]
 
     def _info(self):

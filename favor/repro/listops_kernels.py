@@ -106,12 +106,6 @@ def run(args):
     return _report(settings, runs, config, window, seeds, band, asked)
 
 
-def _timing(runs):
-    wall = trained.sweep_wall_seconds(runs)
-    parallel = max([int((r.sweep_status or {}).get("parallel", 1)) for r in runs] + [1])
-    return "" if wall is None else f", {len(runs)} runs in {wall / 60:.0f} min of wall clock, {parallel} at a time"
-
-
 def _report(settings, runs, config, window, seeds, band, asked):
     ref = settings.get("softmax")
     bag = settings.get(BAG)
@@ -159,10 +153,11 @@ def _report(settings, runs, config, window, seeds, band, asked):
                sorted(settings) == sorted(asked) and all(e["stat"].n == seeds for e in settings.values()))]
     within = [k for k in settings if k not in ("softmax", BAG)
               and ref is not None and trained.rate(settings[k]["stat"], ref["stat"])[0] == "within noise"]
-    notes = [f"Window `{window}`; the sweep: `configs/listops.py:{config.rsplit(':', 1)[1]}` "
-             "(launch/sweep_local.py, resumable)" + _timing(runs) + ". "
+    spec = f"configs/listops.py:{config.rsplit(':', 1)[1]}"         # as run from the checkout's root
+    notes = [f"Window `{window}`; the sweep: `{spec}` "
+             "(launch/sweep_local.py, resumable)" + trained.timing(runs) + ". "
              f"Kinds within 2 SE of softmax: {', '.join(within) or 'none'}."]
-    figures = {"config": config, "window": window, "seeds": seeds, "band": band,
+    figures = {"config": spec, "window": window, "seeds": seeds, "band": band,
                "settings": {k: {"values": list(e["stat"].values), "mean": e["stat"].mean, "sd": e["stat"].sd,
                                 "runs": [r.name for r in e["runs"]],
                                 "curves": {r.name: trained.curve(r, "accuracy") for r in e["runs"]}}

@@ -123,14 +123,16 @@ def run_sweep(config: str, workdir: Path, parallel: int, extra=()) -> list:
     return runs
 
 
-def sweep_wall_seconds(runs) -> float | None:
-    """Wall-clock seconds from the first run's start to the last run's end, as the launcher recorded them
-    (sweep_status.json): what the sweep cost, whichever process later reads it back."""
-    started = [r.sweep_status.get("started") for r in runs if r.sweep_status]
-    ended = [r.sweep_status.get("ended") for r in runs if r.sweep_status]
-    if not started or None in started or None in ended or len(ended) != len(runs):
-        return None
-    return float(max(ended) - min(started))
+def timing(runs) -> str:
+    """", N runs in M min of wall clock, K at a time": from the first run's start to the last run's end as
+    the launcher recorded them (sweep_status.json), so what the sweep cost whichever process later reads
+    it back; "" when a run lacks the record."""
+    status = [r.sweep_status or {} for r in runs]
+    if not runs or any(s.get("started") is None or s.get("ended") is None for s in status):
+        return ""
+    wall = max(s["ended"] for s in status) - min(s["started"] for s in status)
+    parallel = max(int(s.get("parallel", 1)) for s in status)
+    return f", {len(runs)} runs in {wall / 60:.0f} min of wall clock, {parallel} at a time"
 
 
 def final_metric(run, metric: str) -> float:
@@ -167,8 +169,9 @@ def mean_curve(runs, metric: str):
 
 def plot_settings(fig, settings: dict, metric: str, title: str, scale=100.0, unit="%", reference=None):
     """Left: the eval metric against the step, the mean over seeds (band: ± sd). Right: each setting's
-    final metric, every seed a dot and the mean a diamond with ± 2 SE whiskers, sorted best first; `reference` (a label)
-    draws a vertical line at that setting's mean, the one the others are read against."""
+    final metric, every seed a dot and the mean a diamond with ± 2 SE whiskers, sorted best first;
+    `reference` (a label) draws a vertical line at that setting's mean, the one the others are read
+    against."""
     ax_curve, ax_bar = fig.subplots(1, 2, width_ratios=[1, 1.1])
     import matplotlib
     colours = matplotlib.colormaps["tab20"]
