@@ -28,17 +28,37 @@ data=hard: the same model on favor_speech/hard: one or two phrases an utterance 
 unseen validation voices; clips up to ~4.3 s (480 frames, in buckets of 240 and 480). A corpus for
 telling attention kinds apart, where the local one saturates at 0 % WER.
 
-Args: data=tfds|local|hard, kind=<attention kind> (default favor++), runlocal (a tiny model and a few steps:
-the test suite runs it on TFDS mock data).
+Args: data=tfds|local|hard, kind=<attention kind> (default favor++), steps (the local corpora's budget,
+default 1200), conv_kernel (the conv module's width in frames; 1: no mixing across frames there, so
+that attention is the model's only context beyond the subsampling's 7 frames), runlocal (a tiny model
+and a few steps on TFDS mock data, or with data=local|hard on the corpus's tiny config: the tests').
+
+`sweep()` yields the speech kernel ablation (`python -m favor.repro speech-kernels` runs and rates it):
+softmax; FAVOR+ and FAVOR++ at each of the `narrow` widths (CRT Fig. 3: M = 8, 16); FAVOR# at the
+widest of them; FAVOR+, trig, HRF-angular and HRF-cluster at the `wide` width (HRF Table 2, at one
+feature width for all); each with `seeds` seeds:
+
+    python launch/sweep_local.py --workdir runs/sk \
+        --config configs/conformer_librispeech.py:data=hard,steps=400,conv_kernel=1
 """
 
 import ml_collections
 
-from favor import configlib
+from favor import configlib, sweeps
+
+# the sweep's axes (get_config ignores them): "/"-separated narrow widths; floor=False leaves out the
+# model without attention; quick: softmax and FAVOR+ at the narrowest width only (the tests')
+SWEEP_ARGS = dict(seeds=3, narrow="8/16", wide=64, floor=True, quick=False)
+
+
+def _args(arg):
+    return configlib.parse_arg(arg, data="tfds", kind="favor++", steps=0, conv_kernel=0, runlocal=False,
+                               **SWEEP_ARGS)
 
 
 def get_config(arg=None):
-    args = configlib.parse_arg(arg, data="tfds", kind="favor++", runlocal=False)
+    # one config is one run: the sweep's args are ignored here
+    args = _args(arg)
     data = configlib.choice("data", args.data, ("tfds", "local", "hard"))
 
     c = configlib.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5000)
@@ -55,9 +75,12 @@ def get_config(arg=None):
     c.model.features = 80
     c.model.vocab_size = vocab
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
+    c.model.self_attention = True      # False: no MHSA step (the floor of the sweep below)
     c.model.dtype = "float32"
     c.model.init_from = ""             # uptraining: run:<workdir>, a checkpoint dir or hf:<dir>
-    c.model.attention = configlib.attention(args.kind, num_features=16)
+    # lambda_: HRF's λ estimator (angular | gaussian | cluster), here so that a sweep can set it; the
+    # other kinds do not take it
+    c.model.attention = configlib.attention(args.kind, num_features=16, lambda_="angular")
     c.optim = configlib.optim(lr=1e-4, schedule="constant", warmup_steps=10_000, weight_decay=0.0, b2=0.98, eps=1e-9)
 
     if data in ("local", "hard"):
@@ -76,14 +99,55 @@ def get_config(arg=None):
         c.data.dataset = "local:hard"
         c.data.max_frames, c.data.buckets = 480, (240, 480)  # the longest of 120 clips: 4.3 s
         vocab.set(96)                                         # 76 words, not 40
+    if int(args.steps) < 0 or int(args.conv_kernel) < 0:
+        raise ValueError(f"steps={args.steps}, conv_kernel={args.conv_kernel}: expected positive values (0: the "
+                         "config's own)")
+    if int(args.steps) > 0:
+        if data == "tfds" or args.runlocal:
+            raise ValueError("steps= sets the local corpora's budget; not with data=tfds or runlocal (override "
+                             "--config.total_steps there)")
+        c.total_steps = int(args.steps)
+        c.checkpoint_every = c.eval_every = max(1, int(args.steps) // 3)
     if args.runlocal:
         c.model.preset = "tiny"
         c.model.hidden, c.model.num_layers, c.model.heads, c.model.subsampling_channels = 32, 1, 2, 8
         c.model.conv_kernel = 3
         c.model.attention.num_features = 8
         vocab.set(32)
-        c.data.max_frames, c.data.buckets = 128, (128,)
+        if data == "tfds":
+            c.data.max_frames, c.data.buckets = 128, (128,)
+        else:   # the corpus's few-clip config, its clip lengths kept: a longer clip is dropped from training
+            c.data.dataset = "local:hard_tiny" if data == "hard" else "local:tiny"
         c.total_steps, c.batch_size, c.eval_batch_size = 4, 8, 16
         c.checkpoint_every, c.eval_every, c.log_every = 4, 4, 2
         c.optim.update(lr=1e-3, warmup_steps=1)
+    if int(args.conv_kernel) > 0:
+        c.model.conv_kernel = int(args.conv_kernel)
     return c
+
+
+def sweep(arg=None):
+    """softmax; FAVOR+ and FAVOR++ at each `narrow` width and FAVOR# at the widest; FAVOR+, trig, HRF-angular
+    and HRF-cluster at the `wide` width; then (`floor`) the model without self-attention; `seeds` seeds
+    each. `quick`: softmax and FAVOR+ at the narrowest width alone."""
+    args = _args(arg)
+    if int(args.seeds) < 1:
+        raise ValueError(f"seeds={args.seeds}: expected 1 or more")
+    narrow = sorted({int(w) for w in str(args.narrow).split("/") if w})
+    if not narrow or min(narrow) < 1 or int(args.wide) < 1:
+        raise ValueError(f"narrow={args.narrow}, wide={args.wide}: expected positive widths, '/'-separated")
+    seeds = tuple(range(int(args.seeds)))
+    kind, width, lam = "model.attention.kind", "model.attention.num_features", "model.attention.lambda_"
+    yield from sweeps.product({kind: ("softmax",), "seed": seeds})
+    if args.quick:
+        yield from sweeps.product({kind: ("favor+",), width: (narrow[0],), "seed": seeds})
+        return
+    for m in narrow:
+        yield from sweeps.product({kind: ("favor+", "favor++"), width: (m,), "seed": seeds})
+    yield from sweeps.product({kind: ("favor#",), width: (narrow[-1],), "seed": seeds})
+    wide = int(args.wide)       # FAVOR+ at a narrow width already is FAVOR+ at that width
+    yield from sweeps.product({kind: ("favor",) if wide in narrow else ("favor+", "favor"), width: (wide,),
+                               "seed": seeds})
+    yield from sweeps.product({kind: ("hrf",), lam: ("angular", "cluster"), width: (wide,), "seed": seeds})
+    if args.floor:
+        yield from sweeps.product({"model.self_attention": (False,), "seed": seeds})

@@ -1,6 +1,11 @@
 """Linear attention over every kind, against an independent float64 computation of the same estimator
 (tests/reference.py: shares only ω and the fitted parameters), with the invariants no correct
-attention can break, at hard inputs (norms up to 10·√D, bf16, padding, L = 1), outputs and gradients."""
+attention can break, at hard inputs (norms up to 10·√D, bf16, padding, L = 1), outputs and gradients.
+
+Gradients and repeatedly evaluated functions run under jax.jit, as in a model: run eagerly, each of
+their hundreds of operations is compiled as a program of its own, which was most of this file's time.
+Outputs are still checked from eager calls too (the passes compile themselves then:
+test_the_passes_inline_into_a_traced_caller_and_compile_when_eager)."""
 
 import re
 
@@ -275,9 +280,8 @@ def test_all_padding_row_outputs_zero_with_finite_gradients(kind):
     for causal in (False, True):
         stats = calibration_stats(attn, 8) if causal else None
         f = lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=jax.random.PRNGKey(0), stats=stats)
-        out = f(q, k, v)
+        out, grads = jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(*a)))(q, k, v)
         np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
-        grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
         assert all(np.all(np.isfinite(np.asarray(g))) for g in grads), (kind, causal)
 
 
@@ -377,9 +381,10 @@ def test_decoding_step_equals_causal_pass(kind):
     full = attn(q, k, v, mask=valid, causal=True, stats=stats)
     ctx = attn.decode_context(d, stats=stats) if isinstance(attn, attention.RandomFeatureAttention) else None
     state = attn.decode_init(2, 2, d, v.shape[-1])
+    step = jax.jit(attn.decode_step)                    # as a generation loop runs it: one program a step
     outs = []
     for t in range(l):
-        o, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
+        o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
         outs.append(o)
     assert_close(attn, jnp.concatenate(outs, 1), full, q, k, v, valid, True, stats)
 
@@ -424,7 +429,7 @@ def test_query_mask_is_explicit_in_cross_attention():
 def test_importance_sampling_fit_gradients_are_finite_with_fewer_tokens_than_dims(kind):
     attn = make(kind, importance_sampling=True, fit_gradients=True, redraw="fixed")
     q, k, v = qkv(b=1, lq=3, lk=3, d=8)          # 3 tokens, 8 dims: degenerate spectra
-    grads = jax.grad(lambda q, k: jnp.sum(attn(q, k, v) ** 2), (0, 1))(q, k)
+    grads = jax.jit(jax.grad(lambda q, k: jnp.sum(attn(q, k, v) ** 2), (0, 1)))(q, k)
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
 
@@ -438,10 +443,9 @@ def test_gradients_match_finite_differences(kind):
     q, k, v = qkv(b=1, lq=5, lk=5, h=1, d=4, dv=2, seed=7)
     mask = jnp.asarray([[True, True, True, True, False]])
 
-    def f(q, k, v):
-        return attn(q, k, v, mask=mask, rng=None)
+    f = jax.jit(lambda q, k, v: attn(q, k, v, mask=mask, rng=None))
 
-    out = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    out = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
     assert all(np.all(np.isfinite(np.asarray(g))) for g in out)
     if kind == "hrf":
         # sign features are piecewise constant; finite differences across a flip are meaningless
@@ -470,11 +474,11 @@ def check_gradients_against_explicit(attn, causal, window=0):
     stats = calibration_stats(attn, 8) if causal else None
     weights = jax.random.normal(jax.random.PRNGKey(1), v.shape)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * weights)
-    got = jax.grad(loss(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)),
-                   (0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)),
+                           (0, 1, 2)))(q, k, v)
     with jax.enable_x64(True):
-        want = jax.grad(loss(lambda q, k, v: reference.explicit_attention(attn, q, k, v, mask, causal, rng, stats,
-                                                                          window=window)), (0, 1, 2))(q, k, v)
+        want = jax.jit(jax.grad(loss(lambda q, k, v: reference.explicit_attention(
+            attn, q, k, v, mask, causal, rng, stats, window=window)), (0, 1, 2)))(q, k, v)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4,
                                    err_msg=f"{attn.name} causal={causal} window={window} d{name}")
@@ -487,7 +491,7 @@ def test_exact_zero_queries_and_keys_have_finite_gradients(kind):
     q = jnp.zeros((1, 6, 2, 8)).at[:, :3].set(0.3)
     k = jnp.zeros((1, 6, 2, 8)).at[:, 2:].set(-0.2)
     v = jnp.ones((1, 6, 2, 8))
-    grads = jax.grad(lambda q, k: jnp.sum(attn(q, k, v, rng=jax.random.PRNGKey(0)) ** 2), (0, 1))(q, k)
+    grads = jax.jit(jax.grad(lambda q, k: jnp.sum(attn(q, k, v, rng=jax.random.PRNGKey(0)) ** 2), (0, 1)))(q, k)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
@@ -650,7 +654,7 @@ def test_fit_gradients_finite_with_an_all_padding_example(variant):
     attn = make("favor#", variant=variant, fit_gradients=True)
     q, k, v = qkv(b=2, lq=5, lk=5, d=8, scale=0.5)
     m = jnp.asarray([[True] * 5, [False] * 5])
-    g = jax.grad(lambda q: jnp.sum(attn(q, k, v, mask=m, query_mask=m)))(q)
+    g = jax.jit(jax.grad(lambda q: jnp.sum(attn(q, k, v, mask=m, query_mask=m))))(q)
     assert np.all(np.isfinite(np.asarray(g)))
 
 
@@ -729,7 +733,8 @@ def test_a_single_chunk_takes_the_whole_array_program():
     assert "scan" not in program and "remat" not in program and "checkpoint" not in program
     assert "scan" in str(jax.make_jaxpr(loss(chunked))(q, k, v))
     np.testing.assert_allclose(whole(q, k, v), chunked(q, k, v), rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.grad(loss(whole), (0, 1, 2))(q, k, v), jax.grad(loss(chunked), (0, 1, 2))(q, k, v)):
+    grads = lambda attn: jax.jit(jax.grad(loss(attn), (0, 1, 2)))(q, k, v)
+    for a, b in zip(grads(whole), grads(chunked)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 

@@ -171,3 +171,20 @@ def test_small_preset_size():
     assert (c["num_layers"], c["heads"], c["hidden"]) == (17, 4, 256)   # CRT Table 6
     n = models.param_count(model)
     assert 15e6 < n < 40e6, n   # 27,794,689 at the time of writing
+
+
+def test_without_self_attention_the_blocks_hold_no_attention_and_mix_only_through_the_convolution():
+    """self_attention=False (the floor of the speech ablation): no attention parameters, the same output
+    shapes, padding still invisible; and with a 1-frame convolution an output frame reads only its own
+    7 input frames, so changing input frames 20+ (T = 40) leaves output frame 0 unchanged, while the
+    same change moves frame 0 once attention is back."""
+    floor = build(self_attention=False, conv_kernel=1)
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(floor, nnx.Param))}
+    assert not any("attention" in n for n in names) and any("conv" in n for n in names), sorted(names)[:5]
+    hidden, logits, control = _invariance(floor, deterministic=True)
+    assert hidden < 1e-5 and logits < 1e-4 and control > 1e-3, (hidden, logits, control)
+    x = feats()
+    far = x.at[:, 20:].add(5.0)
+    for model, moves in ((floor, False), (build(conv_kernel=1), True)):
+        a, b = forward(model, x)["hidden_states"], forward(model, far)["hidden_states"]
+        assert bool(jnp.max(jnp.abs(a[:, 0] - b[:, 0])) > 1e-4) == moves, moves

@@ -126,7 +126,8 @@ def test_rows_with_negative_denominators_are_not_sign_flipped(kind, causal):
     assert np.any((plain[negative] < 1.0) | (plain[negative] > 2.0))   # the failure prevented
     assert np.all((floored[negative] >= 1.0 - 1e-5) & (floored[negative] <= 2.0 + 1e-5))
     attn = attention.get(kind, num_features=32, chunk_size=4)
-    grads = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, mask=mask, causal=causal) ** 2), (0, 1, 2))(q, k, v)
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v, mask=mask, causal=causal) ** 2)
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
 
@@ -140,8 +141,9 @@ def test_decoding_applies_the_same_floor(kind):
     ctx = attn.decode_context(q.shape[-1])
     state = attn.decode_init(1, q.shape[2], q.shape[-1], v.shape[-1])
     outs = []
+    step = jax.jit(attn.decode_step)           # one program a step, as generation runs it
     for t in range(q.shape[1]):
-        out, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
+        out, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
         outs.append(np.asarray(out))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=2e-4, atol=2e-5)
 
@@ -158,8 +160,9 @@ def test_hrf_rows_whose_lambda_is_one_do_not_cancel():
     attn = attention.get("hrf", num_features=32, chunk_size=4)
     full = np.asarray(attn(q, k, v, causal=True))
     ctx, state, outs = attn.decode_context(d), attn.decode_init(b, h, d, 2), []
+    step = jax.jit(attn.decode_step)           # one program a step, as generation runs it
     for t in range(l):
-        out, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
+        out, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
         outs.append(np.asarray(out))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
     # the features' inner products against Theorem 3.1's estimator written out in float64

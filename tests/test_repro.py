@@ -19,6 +19,7 @@ COLUMNS = {
     "favor-sharp-variance": ["regime", "σ", "GERF (favor: oprf) log(Var/K²)", "SDERF log(Var/K²)"],
     "importance-sampling": ["regime", "σ", "PosRF", "PosRF + IS", "V* (Cor. 2) / Cor. 1 bound"],
     "listops-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "seeds"],
+    "speech-kernels": ["setting", "WER (%)", "Δ vs softmax (± SE)", "seeds"],
 }
 
 
@@ -39,8 +40,9 @@ def test_every_registered_reproduction_is_tested():
     assert set(repro.names()) == set(COLUMNS)
 
 
-# the reproductions that train: a sweep of train.py runs under <out>/runs
-TRAINED = ("listops-kernels",)
+# the reproductions that train (a sweep of train.py runs under <out>/runs), each with words its quick
+# report's comparisons must hold
+TRAINED = {"listops-kernels": "LRA Table 1", "speech-kernels": "task check: softmax below the weakest"}
 
 
 @pytest.mark.parametrize("name", sorted(COLUMNS))
@@ -61,7 +63,10 @@ def test_quick_run_writes_a_checked_report(name, tmp_path, capsys, monkeypatch):
     md = (out / f"{name}.md").read_text()
     assert "| " + " | ".join(data["columns"]) + " |" in md and "--quick" in md
     if name in TRAINED:
-        assert any("LRA Table 1" in text for text, _ in data["comparisons"]), data["comparisons"]
+        assert any(TRAINED[name] in text for text, _ in data["comparisons"]), data["comparisons"]
+        # every run trained on something: a batch whose rows were all dropped has loss 0
+        losses = [json.loads(p.read_text())["train_loss"] for p in (out / "runs").glob("*/summary.json")]
+        assert losses and all(loss > 0 for loss in losses), losses
         # a second call reuses the finished sweep: every run skipped, nothing retrained, the same figures
         runs = json.loads((out / "runs" / "sweep.json").read_text())["runs"]
         assert main([name, "--quick", "--out", str(out)]) == 0
@@ -99,14 +104,14 @@ def test_trained_comparisons_match_a_hand_computed_welch_z():
     assert trained.rate(trained.Stat((0.5, 0.5)), trained.Stat((0.5, 0.5))) == ("within noise", 0.0)
 
 
-def _fake_run(name, kind, seed, accuracy, window=0, layers=2):
+def _fake_run(name, kind, seed, accuracy, window=0, layers=2, metric="accuracy", **config):
     from favor.tools.report import RunRecord
     config = {"model.attention.kind": kind, "model.attention.window": window, "model.num_layers": layers,
-              "seed": seed, "total_steps": 1000}
+              "seed": seed, "total_steps": 1000, **config}
     return RunRecord(name, None, config=config, status="finished", step=1000,
-                     summary={"step": 1000, "accuracy": accuracy, "steps_per_second": None if seed else 5.0,
+                     summary={"step": 1000, metric: accuracy, "steps_per_second": None if seed else 5.0,
                               "num_params": 1234},
-                     curves={"eval/accuracy": [(500, accuracy - 0.01), (1000, accuracy)]})
+                     curves={f"eval/{metric}": [(500, accuracy - 0.01), (1000, accuracy)]})
 
 
 def test_listops_report_groups_the_settings_and_rates_them_by_hand_computed_z():
@@ -152,6 +157,74 @@ def test_listops_report_groups_the_settings_and_rates_them_by_hand_computed_z():
     assert f"{len(runs)} runs in {(60 * (len(runs) - 1) + 150) / 60:.0f} min of wall clock, 2 at a time" \
         in timed.notes[0] and "`configs/listops.py:seeds=3`" in timed.notes[0]
     assert "wall clock" not in rep.notes[0]                            # no records: no figure
+
+
+def test_speech_report_labels_kinds_by_width_and_rates_wer_lower_is_better():
+    """speech-kernels on made-up finished runs: HRF's λ estimator and the width name each setting, the model
+    without attention is a setting of its own, WER claims are rated lower-is-better with the hand-computed
+    Welch z, and the table is sorted best (lowest WER) first."""
+    import numpy as np
+    from favor.repro import speech_kernels as sk, trained
+
+    wer = {("softmax", 16, "angular", True): (0.10, 0.12, 0.11), ("favor+", 16, "angular", True): (0.30, 0.28, 0.33),
+           ("favor++", 16, "angular", True): (0.20, 0.22, 0.19), ("hrf", 64, "cluster", True): (0.25, 0.26, 0.24),
+           ("hrf", 64, "angular", True): (0.40, 0.45, 0.42), ("softmax", 16, "angular", False): (0.60, 0.62, 0.61)}
+    runs = [_fake_run(f"{k}{m}{lam}{att}_{s}", k, s, w, metric="wer", **{
+        "model.attention.num_features": m, "model.attention.lambda_": lam, "model.self_attention": att})
+        for (k, m, lam, att), values in wer.items() for s, w in enumerate(values)]
+    settings = trained.by_setting(runs, sk._label, "wer")
+    assert list(settings) == ["softmax", "FAVOR+ M=16", "FAVOR++ M=16", "HRF-cluster M=64", "HRF-angular M=64",
+                              sk.FLOOR]
+    rep = sk._report(settings, runs, "/x/configs/conformer_librispeech.py:data=hard,seeds=3", 3, 64, list(settings))
+    assert [r[0] for r in rep.rows][0] == "softmax" and rep.rows[-1][0] == sk.FLOOR      # lowest WER first
+    crt = next((t, v) for t, v in rep.comparisons if "at M = 16" in t)
+    a, b = np.array(wer[("favor++", 16, "angular", True)]), np.array(wer[("favor+", 16, "angular", True)])
+    z = (b.mean() - a.mean()) / np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 3)
+    assert crt[1] == "agrees" and f"z = {z:.1f}" in crt[0] and "the paper's gap 3.05 points" in crt[0], crt
+    hrf = next((t, v) for t, v in rep.comparisons if t.startswith("HRF-cluster M=64"))
+    assert hrf[1] == "agrees", hrf
+    floor = next((t, v) for t, v in rep.comparisons if "without attention" in t)
+    assert floor[1] == "agrees"
+    weakest = next(t for t, _ in rep.comparisons if "weakest" in t)
+    assert "HRF-angular M=64 (" in weakest                        # the highest random-feature WER
+    assert rep.checks[0][1] is True
+    assert sk._report(settings, runs, "/x/c.py:seeds=3", 3, 64, list(settings) + ["trig M=64"]).checks[0][1] is False
+
+
+def test_speech_sweep_settings_are_valid_configs():
+    """Every run of the full speech sweep is an override set train.py accepts (applied to the config and
+    validated as a run is), giving the settings the report expects, 3 seeds each; the quick sweep is the
+    tests' four runs."""
+    from favor import configlib, sweeps
+    from favor.repro import speech_kernels as sk, trained
+    from favor.tools.report import RunRecord
+
+    spec = trained.config_path("conformer_librispeech.py") + ":data=hard,steps=400,conv_kernel=1"
+    runs = sweeps.load(spec)
+    labels = []
+    for run in runs:
+        config = configlib.load(spec)
+        for key, value in run.overrides.items():
+            configlib.apply_flag(config, f"{key}={value}")
+        configlib.validate(config)
+        assert config.total_steps == 400 and config.data.dataset == "local:hard" and config.model.conv_kernel == 1
+        record = RunRecord(run.name, None, config={"model.attention.kind": config.model.attention.kind,
+                                                   "model.attention.num_features": config.model.attention.num_features,
+                                                   "model.attention.lambda_": config.model.attention.lambda_,
+                                                   "model.self_attention": config.model.self_attention})
+        labels.append(sk._label(record))
+    asked = sk.asked_settings([8, 16], 64, quick=False)
+    assert sorted(set(labels)) == sorted(asked) and all(labels.count(k) == 3 for k in asked)
+    assert len(runs) == 33
+    path = trained.config_path("conformer_librispeech.py")
+    assert len(sweeps.load(path + ":data=hard,runlocal,quick,floor=False,seeds=2")) == 4
+    # a wide width equal to a narrow one: FAVOR+ there once, as the report asks for it
+    same = sweeps.load(path + ":data=hard,steps=400,wide=16")
+    assert len(same) == 3 * len(sk.asked_settings([8, 16], 16, quick=False)) == 30
+    for bad in ("steps=-1", "conv_kernel=-3", "runlocal,steps=400"):
+        with pytest.raises(ValueError, match="steps=|conv_kernel="):
+            configlib.load(path + ":data=hard," + bad)
+    assert configlib.load(path + ":data=hard,runlocal").data.dataset == "local:hard_tiny"
 
 
 def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, capsys, monkeypatch):

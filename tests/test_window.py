@@ -190,8 +190,9 @@ def test_decoding_step_equals_causal_pass(kind):
     ctx = attn.decode_context(d, stats=stats)
     state = attn.decode_init(2, 2, d, v.shape[-1])
     steps = []
+    step = jax.jit(attn.decode_step)           # one program a step, as generation runs it
     for t in range(l):
-        o, state = attn.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
+        o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
         steps.append(o)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), rtol=2e-4, atol=2e-5)
 

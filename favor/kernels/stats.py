@@ -160,7 +160,8 @@ def eigh(m):
 @eigh.defjvp
 def _eigh_jvp(primals, tangents):
     (m,), (dm,) = primals, tangents
-    w, v = eigh(m)
+    out = eigh(m)
+    w, v = out
     dm = 0.5 * (dm + jnp.swapaxes(dm, -1, -2))
     vt = jnp.swapaxes(v, -1, -2)
     inner = vt @ dm @ v
@@ -170,7 +171,10 @@ def _eigh_jvp(primals, tangents):
     # give 0/0)
     eps = jnp.maximum(1e-6 * jnp.max(jnp.abs(w), axis=-1, keepdims=True)[..., None], 1e-18)
     inv_gap = gap / (gap * gap + eps * eps)                       # 0 on the diagonal
-    return (w, v), (dw, v @ (inv_gap * inner))
+    # primal and tangent in eigh's own result type (a named tuple): differentiated after being staged
+    # out (the gradient of a jitted function, a scan, a remat), custom_jvp checks that the rule's primal
+    # has the function's structure, and a plain tuple fails that check
+    return out, type(out)(dw, v @ (inv_gap * inner))
 
 
 def canonical_signs(u):

@@ -19,7 +19,9 @@ Each block is the macaron block of the paper:
 with FF = LN → dense(hidden, mlp_ratio·hidden) → swish → dropout → dense → dropout and
 Conv = LN → pointwise (hidden → 2·hidden) → GLU → depthwise 1-D conv (conv_kernel, SAME) →
 BatchNorm or LayerNorm (`conv_norm`) → swish → pointwise (hidden → hidden) → dropout.
-A final LayerNorm follows the blocks, then the CTC projection.
+A final LayerNorm follows the blocks, then the CTC projection. `self_attention=False` leaves the MHSA
+step out of every block (½FF, Conv, ½FF): the model without attention's global mixing (the
+depthwise convolution still sees conv_kernel frames), the floor an attention ablation must clear.
 
 Positions are rotary (RoFormer) rather than the original Transformer-XL relative-position bias:
 rotating q and k by position-dependent angles makes qᵀk depend on the offset only, and every
@@ -121,19 +123,22 @@ class ConformerBlock(nnx.Module):
     def __init__(self, c, *, rngs):
         pdt = c["param_dtype"]
         self.ff_before = FeedForward(c, rngs=rngs)
-        self.attention_norm = layer_norm(c["hidden"], c["layer_norm_eps"], rngs=rngs, param_dtype=pdt)
-        self.attention = SelfAttention(c["hidden"], c["heads"], c["attention"], rngs=rngs,
-                                       dropout=c["attention_dropout"], use_rotary=True,
-                                       dtype=c["dtype"], param_dtype=pdt)
-        self.attention_dropout = nnx.Dropout(c["dropout"], rngs=rngs)
+        self.use_attention = bool(c["self_attention"])
+        if self.use_attention:
+            self.attention_norm = layer_norm(c["hidden"], c["layer_norm_eps"], rngs=rngs, param_dtype=pdt)
+            self.attention = SelfAttention(c["hidden"], c["heads"], c["attention"], rngs=rngs,
+                                           dropout=c["attention_dropout"], use_rotary=True,
+                                           dtype=c["dtype"], param_dtype=pdt)
+            self.attention_dropout = nnx.Dropout(c["dropout"], rngs=rngs)
         self.conv = ConvModule(c, rngs=rngs)
         self.ff_after = FeedForward(c, rngs=rngs)
         self.output_norm = layer_norm(c["hidden"], c["layer_norm_eps"], rngs=rngs, param_dtype=pdt)
 
     def __call__(self, x, mask, deterministic):
         x = x + 0.5 * self.ff_before(x, deterministic)
-        a = self.attention(self.attention_norm(x).astype(x.dtype), mask, deterministic=deterministic)
-        x = x + self.attention_dropout(a, deterministic=deterministic)
+        if self.use_attention:
+            a = self.attention(self.attention_norm(x).astype(x.dtype), mask, deterministic=deterministic)
+            x = x + self.attention_dropout(a, deterministic=deterministic)
         x = x + self.conv(x, mask, deterministic)
         x = x + 0.5 * self.ff_after(x, deterministic)
         return self.output_norm(x).astype(x.dtype)

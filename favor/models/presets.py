@@ -22,7 +22,7 @@ DEFAULTS = {
     "conformer": dict(features=80, vocab_size=256, hidden=256, num_layers=17, heads=4, mlp_ratio=4,
                       conv_kernel=31, conv_norm="batch", subsampling_channels=256, dropout=0.1,
                       attention_dropout=0.0, layer_norm_eps=1e-5, attention=DEFAULT_ATTENTION,
-                      dtype="float32", param_dtype="float32"),
+                      self_attention=True, dtype="float32", param_dtype="float32"),
 }
 
 PRESETS = {

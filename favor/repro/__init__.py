@@ -24,6 +24,7 @@ REGISTRY = Registry("reproduction", {
     "favor-sharp-variance": "favor.repro.favor_sharp_variance",
     "importance-sampling": "favor.repro.importance_sampling",
     "listops-kernels": "favor.repro.listops_kernels",
+    "speech-kernels": "favor.repro.speech_kernels",
 })
 
 names = REGISTRY.names

@@ -3,9 +3,6 @@ ListOps column, and the kernel papers' orderings where a task decides by attenti
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from favor import configlib
 from favor.data import local
 from favor.repro import trained
@@ -60,11 +57,7 @@ def add_arguments(parser):
                                                       "--quick softmax/favor+)")
     parser.add_argument("--band", type=int, default=None,
                         help="the window hybrid's band in tokens, 0 to leave it out (default 32; --quick 0)")
-    parser.add_argument("--parallel", type=int, default=min(2, os.cpu_count() or 1),
-                        help="runs at once (default %(default)s)")
-    parser.add_argument("--workdir", default=None,
-                        help="the sweep's directory (default <out>/runs); rerunning resumes it and reuses "
-                             "its finished runs")
+    trained.add_sweep_arguments(parser)
 
 
 def _label(run):
@@ -98,8 +91,7 @@ def run(args):
         spec.append(f"kinds={kinds}")
     config = trained.config_path("listops.py") + ":" + ",".join(spec)
     local.prepare("listops", config=window)          # once, before runs that would each build it at once
-    workdir = Path(args.workdir or os.path.join(args.out, "runs"))
-    runs = trained.run_sweep(config, workdir, args.parallel)
+    runs = trained.run_sweep(config, trained.sweep_workdir(args), args.parallel)
     settings = trained.by_setting(runs, _label, "accuracy")
     asked = [LABELS[k] for k in configlib.values("kinds", kinds or "/".join(LABELS), tuple(LABELS))]
     asked += ([f"FAVOR++ + softmax band ±{band}"] if band else []) + ([] if quick else [BAG])
@@ -109,20 +101,7 @@ def run(args):
 def _report(settings, runs, config, window, seeds, band, asked):
     ref = settings.get("softmax")
     bag = settings.get(BAG)
-    rows = []
-    for label, entry in sorted(settings.items(), key=lambda kv: -kv[1]["stat"].mean):
-        stat = entry["stat"]
-        first = entry["runs"][0]
-        summary = first.summary or {}
-        if ref is not None and label != "softmax":
-            diff, se = trained.difference(stat, ref["stat"])
-            delta = f"{100 * diff:+.1f} ± {100 * se:.1f}"
-        else:
-            delta = None
-        speed = [r.summary["steps_per_second"] for r in entry["runs"]      # None: a run resumed at its end
-                 if r.summary and r.summary.get("steps_per_second") is not None]
-        rows.append([label, stat.text(), delta, f"{sum(speed) / len(speed):.2g}" if speed else None,
-                     summary.get("num_params"), stat.n])
+    rows = trained.setting_rows(settings, "softmax")
     comparisons = []
     if ref is not None and bag is not None:
         v, z = trained.rate(ref["stat"], bag["stat"])
@@ -148,9 +127,7 @@ def _report(settings, runs, config, window, seeds, band, asked):
             comparisons.append((f"{h} ({settings[h]['stat'].text()} %) > {base} alone "
                                 f"({settings[base]['stat'].text()} %): exact attention near the diagonal "
                                 f"helps (z = {z:.1f})", v))
-    checks = [(f"the sweep's {len(runs)} runs are the {len(asked)} settings asked for × {seeds} seeds, each "
-               "finished with a final validation accuracy",
-               sorted(settings) == sorted(asked) and all(e["stat"].n == seeds for e in settings.values()))]
+    checks = [trained.complete(settings, asked, runs, seeds, "accuracy")]
     within = [k for k in settings if k not in ("softmax", BAG)
               and ref is not None and trained.rate(settings[k]["stat"], ref["stat"])[0] == "within noise"]
     spec = f"configs/listops.py:{config.rsplit(':', 1)[1]}"         # as run from the checkout's root
@@ -158,10 +135,7 @@ def _report(settings, runs, config, window, seeds, band, asked):
              "(launch/sweep_local.py, resumable)" + trained.timing(runs) + ". "
              f"Kinds within 2 SE of softmax: {', '.join(within) or 'none'}."]
     figures = {"config": spec, "window": window, "seeds": seeds, "band": band,
-               "settings": {k: {"values": list(e["stat"].values), "mean": e["stat"].mean, "sd": e["stat"].sd,
-                                "runs": [r.name for r in e["runs"]],
-                                "curves": {r.name: trained.curve(r, "accuracy") for r in e["runs"]}}
-                            for k, e in settings.items()}}
+               "settings": trained.settings_figures(settings, "accuracy")}
 
     def plot(fig):
         trained.plot_settings(fig, settings, "accuracy",

@@ -167,7 +167,8 @@ def mean_curve(runs, metric: str):
     return steps, values.mean(0), sd
 
 
-def plot_settings(fig, settings: dict, metric: str, title: str, scale=100.0, unit="%", reference=None):
+def plot_settings(fig, settings: dict, metric: str, title: str, scale=100.0, unit="%", reference=None,
+                  higher_is_better=True):
     """Left: the eval metric against the step, the mean over seeds (band: ± sd). Right: each setting's
     final metric, every seed a dot and the mean a diamond with ± 2 SE whiskers, sorted best first;
     `reference` (a label) draws a vertical line at that setting's mean, the one the others are read
@@ -175,7 +176,7 @@ def plot_settings(fig, settings: dict, metric: str, title: str, scale=100.0, uni
     ax_curve, ax_bar = fig.subplots(1, 2, width_ratios=[1, 1.1])
     import matplotlib
     colours = matplotlib.colormaps["tab20"]
-    order = sorted(settings, key=lambda k: -settings[k]["stat"].mean)
+    order = sorted(settings, key=lambda k: settings[k]["stat"].mean * (-1 if higher_is_better else 1))
     colour = {k: colours(i % 20) for i, k in enumerate(settings)}
     for k, entry in settings.items():
         steps, mean, sd = mean_curve(entry["runs"], metric)
@@ -208,3 +209,49 @@ def plot_settings(fig, settings: dict, metric: str, title: str, scale=100.0, uni
     ax_bar.set_title(f"final {metric} per setting (best first)")
     ax_curve.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=4)
     fig.suptitle(title)
+
+
+def add_sweep_arguments(parser):
+    """The options every trained reproduction takes: how many runs at once, and where the sweep lives."""
+    parser.add_argument("--parallel", type=int, default=min(2, os.cpu_count() or 1),
+                        help="runs at once (default %(default)s)")
+    parser.add_argument("--workdir", default=None,
+                        help="the sweep's directory (default <out>/runs); rerunning resumes it and reuses "
+                             "its finished runs")
+
+
+def sweep_workdir(args) -> Path:
+    return Path(args.workdir or os.path.join(args.out, "runs"))
+
+
+def setting_rows(settings: dict, reference: str, higher_is_better=True) -> list[list]:
+    """A table row per setting, best first: [label, mean ± sd, Δ vs `reference` ± SE, steps/s (mean over
+    the runs that timed themselves), parameters, seeds]."""
+    ref = settings.get(reference)
+    rows = []
+    for label, entry in sorted(settings.items(), key=lambda kv: kv[1]["stat"].mean * (-1 if higher_is_better else 1)):
+        stat = entry["stat"]
+        delta = None
+        if ref is not None and label != reference:
+            diff, se = difference(stat, ref["stat"])
+            delta = f"{100 * diff:+.1f} ± {100 * se:.1f}"
+        speed = [r.summary["steps_per_second"] for r in entry["runs"]      # None: a run resumed at its end
+                 if r.summary and r.summary.get("steps_per_second") is not None]
+        rows.append([label, stat.text(), delta, f"{sum(speed) / len(speed):.2g}" if speed else None,
+                     (entry["runs"][0].summary or {}).get("num_params"), stat.n])
+    return rows
+
+
+def settings_figures(settings: dict, metric: str) -> dict:
+    """The raw figures of each setting for the report's JSON: its seeds' values, mean, sd, runs and curves."""
+    return {k: {"values": list(e["stat"].values), "mean": e["stat"].mean, "sd": e["stat"].sd,
+                "runs": [r.name for r in e["runs"]], "curves": {r.name: curve(r, metric) for r in e["runs"]}}
+            for k, e in settings.items()}
+
+
+def complete(settings: dict, asked: list, runs, seeds: int, metric: str) -> tuple[str, bool]:
+    """The check every trained report makes first: the sweep holds exactly the settings asked for, each
+    with every seed finished."""
+    return (f"the sweep's {len(runs)} runs are the {len(asked)} settings asked for × {seeds} seeds, each "
+            f"finished with a final validation {metric}",
+            sorted(settings) == sorted(asked) and all(e["stat"].n == seeds for e in settings.values()))
