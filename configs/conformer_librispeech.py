@@ -107,7 +107,8 @@ def get_config(arg=None):
             raise ValueError("steps= sets the local corpora's budget; not with data=tfds or runlocal (override "
                              "--config.total_steps there)")
         c.total_steps = int(args.steps)
-        c.checkpoint_every = c.eval_every = max(1, int(args.steps) // 3)
+        # three evaluations, the last at the final step (a third rounded down would evaluate twice there)
+        c.checkpoint_every = c.eval_every = -(-int(args.steps) // 3)
     if args.runlocal:
         c.model.preset = "tiny"
         c.model.hidden, c.model.num_layers, c.model.heads, c.model.subsampling_channels = 32, 1, 2, 8
