@@ -95,8 +95,9 @@ def run(args):
         raise ValueError("--parallel and --steps must be positive")
     if quick and args.steps is not None:
         raise ValueError(f"--steps {args.steps} with --quick: the quick run trains the tests' model 4 steps")
-    widths = sorted({int(w) for w in narrow.split("/") if w})
-    if not widths or min(widths) < 1 or wide < 1:
+    parts = [w for w in narrow.split("/") if w]
+    widths = sorted({int(w) for w in parts if w.isdigit()})
+    if len(widths) != len(set(parts)) or not widths or min(widths) < 1 or wide < 1:
         raise ValueError(f"--narrow {narrow!r} --wide {wide}: expected positive widths ('/'-separated narrow ones)")
     if args.conv_kernel < 1:
         raise ValueError(f"--conv-kernel {args.conv_kernel}: expected a positive width in frames")

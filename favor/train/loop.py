@@ -154,10 +154,6 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                     history["losses"].append((done, m["loss"]))
                     speed = "" if rate is None else f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s"
                     log.info("step %d/%d: loss %.4f%s", done, total, m["loss"], speed)
-                    if m.get("aligned_fraction") == 0.0:     # the CTC task's share of rows it trained on
-                        log.warning("step %d: no row of this batch was trained on (every one longer than "
-                                    "data.max_frames, or with more labels than its frames can align): a run "
-                                    "of such batches learns nothing", done)
                 for run in stages:
                     if run.evaluate_fn is not None and done == run.end:
                         record_stage(run, done)
