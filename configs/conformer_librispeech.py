@@ -137,18 +137,16 @@ def sweep(arg=None):
     narrow = sorted({int(w) for w in str(args.narrow).split("/") if w})
     if not narrow or min(narrow) < 1 or int(args.wide) < 1:
         raise ValueError(f"narrow={args.narrow}, wide={args.wide}: expected positive widths, '/'-separated")
-    seeds = tuple(range(int(args.seeds)))
     kind, width, lam = "model.attention.kind", "model.attention.num_features", "model.attention.lambda_"
-    yield from sweeps.product({kind: ("softmax",), "seed": seeds})
+    settings = [{kind: "softmax"}]
     if args.quick:
-        yield from sweeps.product({kind: ("favor+",), width: (narrow[0],), "seed": seeds})
-        return
-    for m in narrow:
-        yield from sweeps.product({kind: ("favor+", "favor++"), width: (m,), "seed": seeds})
-    yield from sweeps.product({kind: ("favor#",), width: (narrow[-1],), "seed": seeds})
-    wide = int(args.wide)       # FAVOR+ at a narrow width already is FAVOR+ at that width
-    yield from sweeps.product({kind: ("favor",) if wide in narrow else ("favor+", "favor"), width: (wide,),
-                               "seed": seeds})
-    yield from sweeps.product({kind: ("hrf",), lam: ("angular", "cluster"), width: (wide,), "seed": seeds})
-    if args.floor:
-        yield from sweeps.product({"model.self_attention": (False,), "seed": seeds})
+        settings.append({kind: "favor+", width: narrow[0]})
+    else:
+        settings += [{kind: k, width: m} for m in narrow for k in ("favor+", "favor++")]
+        settings.append({kind: "favor#", width: narrow[-1]})
+        wide = int(args.wide)       # FAVOR+ at a narrow width already is FAVOR+ at that width
+        settings += [{kind: k, width: wide} for k in (("favor",) if wide in narrow else ("favor+", "favor"))]
+        settings += [{kind: "hrf", lam: v, width: wide} for v in ("angular", "cluster")]
+        if args.floor:
+            settings.append({"model.self_attention": False})
+    yield from sweeps.seed_by_seed(settings, range(int(args.seeds)))

@@ -79,10 +79,9 @@ def sweep(arg=None):
     kinds = configlib.values("kinds", args.kinds, KINDS)
     if not kinds:
         raise ValueError(f"kinds: an empty list; valid: {'/'.join(KINDS)}")
-    seeds = tuple(range(int(args.seeds)))
-    yield from sweeps.product({"model.attention.kind": kinds, "seed": seeds})
+    settings = [{"model.attention.kind": kind} for kind in kinds]
     if int(args.band) > 0:
-        yield from sweeps.product({"model.attention.kind": ("favor++",), "model.attention.window": (int(args.band),),
-                                   "seed": seeds})
+        settings.append({"model.attention.kind": "favor++", "model.attention.window": int(args.band)})
     if args.floor:
-        yield from sweeps.product({"model.num_layers": (0,), "model.pool": ("mean",), "seed": seeds})
+        settings.append({"model.num_layers": 0, "model.pool": "mean"})
+    yield from sweeps.seed_by_seed(settings, range(int(args.seeds)))

@@ -58,9 +58,20 @@ def model_builder(config):
     full = models.config(name, preset, **m)          # validates every key before anything is built
     seed = int(config.seed)
 
-    def build():
-        return models.get(name, preset, rngs=nnx.Rngs(params=seed, dropout=seed + 1, features=seed + 2), **m)
+    def build(keys=None):
+        """keys: {"params", "dropout", "features"} -> typed PRNG keys, default those of config.seed. Passed
+        in (rather than made here) when building under jit, so the seed is an argument of the program
+        and not a constant in it."""
+        keys = model_keys(seed) if keys is None else keys
+        return models.get(name, preset, rngs=nnx.Rngs(**keys), **m)
     return build, full
+
+
+def model_keys(seed: int) -> dict:
+    """The model's rng streams for `seed` (the keys nnx.Rngs(params=seed, dropout=seed + 1,
+    features=seed + 2) would make)."""
+    return {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1),
+            "features": jax.random.key(seed + 2)}
 
 
 def redraw_schedule(config) -> schedule.Redraw:
@@ -92,7 +103,7 @@ def build_source(config):
 class ModelPlan:
     """How the run builds its model and train state, known before any memory is used."""
     graphdef: Any
-    init: Callable[[], dict]       # a fresh train state (jitted with out_shardings to create it)
+    init: Callable[[dict], dict]   # model_keys -> a fresh train state (`initial_state` jits it)
     abstract: dict                 # the train state's shapes and dtypes
     logical: Any                   # the parameters' logical axis names
     tx: optax.GradientTransformation
@@ -141,9 +152,15 @@ def make_model(config, source) -> ModelPlan:
     tx, schedule_ = optim.make(config.optim, max(int(config.total_steps) - main_start, 1), params=abs_params,
                                num_layers=model_cfg["num_layers"])
     lr_schedule = schedule_ if not main_start else (lambda step: schedule_(jnp.maximum(step - main_start, 0)))
-    init = lambda: init_state(build(), tx, stages)
-    return ModelPlan(graphdef, init, jax.eval_shape(init), models.logical_axes(abstract_model), tx, lr_schedule,
-                     stages)
+    init = lambda keys: init_state(build(keys), tx, stages)
+    abstract = jax.eval_shape(init, model_keys(int(config.seed)))
+    return ModelPlan(graphdef, init, abstract, models.logical_axes(abstract_model), tx, lr_schedule, stages)
+
+
+def initial_state(config, model: ModelPlan, layout: Layout) -> dict:
+    """A fresh train state on the mesh. The seed's keys are arguments of the jitted program, so runs that
+    differ only in their seed (a sweep's) share its compiled form through the persistent cache."""
+    return jax.jit(model.init, out_shardings=layout.state)(model_keys(int(config.seed)))
 
 
 def make_stages(config, abstract_params) -> tuple:
@@ -172,22 +189,40 @@ def make_layout(model: ModelPlan, mesh, rules, source) -> Layout:
     return Layout(mesh, state_sh, abstract, bool(getattr(source, "host_dependent_shapes", False)))
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyedStep:
+    """(state, batch) -> (state, metrics): a jitted step given ω's stream key as an argument. A key built
+    into the program as a constant would make every seed a program of its own, compiled anew by each
+    run of a sweep; as an argument, runs that differ in their seed share one compiled program."""
+    jitted: Callable
+    features_base: jax.Array
+
+    def __call__(self, state, batch):
+        return self.jitted(state, batch, self.features_base)
+
+    def lower(self, state, batch):
+        return self.jitted.lower(state, batch, self.features_base)
+
+
+def _with_features_base(step, config, layout: Layout) -> KeyedStep:
+    jitted = jax.jit(lambda state, batch, base: step(state, batch, features_base=base),
+                     in_shardings=(layout.state, layout.batch, layout.replicated),
+                     out_shardings=(layout.state, layout.replicated), donate_argnums=0)
+    return KeyedStep(jitted, features_base(config))
+
+
 def make_train_step(config, model: ModelPlan, task, layout: Layout):
     step = partial(train_step, graphdef=model.graphdef, task=task, tx=model.tx, lr_schedule=model.lr_schedule,
-                   redraw=redraw_schedule(config), features_base=features_base(config),
-                   accumulate=int(config.optim.accumulate_steps))
-    return jax.jit(step, in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, layout.replicated),
-                   donate_argnums=0)
+                   redraw=redraw_schedule(config), accumulate=int(config.optim.accumulate_steps))
+    return _with_features_base(step, config, layout)
 
 
 def make_stage_runs(config, model: ModelPlan, task, source, layout: Layout) -> tuple[StageRun, ...]:
     """Each stage's jitted step and evaluation (on the eval split, with the evaluation ω), in order."""
     runs = []
     for stage, first, end in stage_lib.spans(model.stages):
-        step = partial(stage_step, stage=stage, graphdef=model.graphdef, task=task, redraw=redraw_schedule(config),
-                       features_base=features_base(config))
-        step_fn = jax.jit(step, in_shardings=(layout.state, layout.batch),
-                          out_shardings=(layout.state, layout.replicated), donate_argnums=0)
+        step = partial(stage_step, stage=stage, graphdef=model.graphdef, task=task, redraw=redraw_schedule(config))
+        step_fn = _with_features_base(step, config, layout)
         runs.append(StageRun(stage, first, end, step_fn, _stage_evaluate(config, model, task, source, layout, stage)))
     return tuple(runs)
 
@@ -210,7 +245,7 @@ def restore_or_init(config, workdir: Path, model: ModelPlan, layout: Layout):
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", keep=int(config.keep_checkpoints))
     restored = ckpt.restore_latest(layout.abstract)
     if restored is None:
-        state = jax.jit(model.init, out_shardings=layout.state)()
+        state = initial_state(config, model, layout)
         if config.model.get("init_from"):     # only here: a resumed run continues from its own checkpoints
             state = warm_start(config, model, layout, state)
         return ckpt, state, 0
@@ -238,7 +273,8 @@ def eval_features_fn(config, model: ModelPlan):
     if not redraw_schedule(config).redraws:
         return None
     key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), EVAL_FEATURES_STREAM)
-    return jax.jit(partial(with_features, graphdef=model.graphdef, key=key))
+    jitted = jax.jit(partial(with_features, graphdef=model.graphdef))      # the key an argument, as in the steps
+    return lambda params, rest: jitted(params, rest, key=key)
 
 
 def make_evaluate(config, model: ModelPlan, task, source, layout: Layout) -> Callable[[dict], dict]:
@@ -301,5 +337,5 @@ def rebuild(config, workdir: Path):
     source, task = make_data(config)
     model = make_model(config, source)
     layout = make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
-    state = warm_start(config, model, layout, jax.jit(model.init, out_shardings=layout.state)())
+    state = warm_start(config, model, layout, initial_state(config, model, layout))
     return config, source, task, model, layout, state

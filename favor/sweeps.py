@@ -16,7 +16,7 @@ import inspect
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from favor import configlib
 
@@ -34,6 +34,16 @@ def product(axes: Mapping[str, Sequence]) -> Iterator[dict]:
             raise ValueError(f"sweep axis {key!r}: expected a non-empty list or tuple of values, got {axes[key]!r}")
     for values in itertools.product(*(axes[k] for k in keys)):
         yield dict(zip(keys, values))
+
+
+def seed_by_seed(settings: Iterable[Mapping], seeds: Sequence[int]) -> Iterator[dict]:
+    """Each setting with `seed`, the seed varying slowest: every setting has a run before any has two, and
+    the runs a parallel sweep starts together are different programs, so a setting's later seeds find
+    its programs compiled (launch/sweep_local.py's cache) rather than compiling them side by side."""
+    settings = [dict(s) for s in settings]
+    for seed in seeds:
+        for setting in settings:
+            yield {**setting, "seed": seed}
 
 
 def is_seed_key(key: str) -> bool:

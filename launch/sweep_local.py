@@ -21,6 +21,10 @@ machine share its cores: their steps/s are lower than alone, so compare speed on
 sweep (favor.tools.report's table says how many ran at once). With N > 1 each run's output goes to
 `<run>/train.log`.
 
+The runs share a persistent XLA compilation cache, `<workdir>/xla_cache` (unless JAX_COMPILATION_CACHE_DIR
+is set): runs that differ only in their seed build the same programs, so only a setting's first run
+compiles them.
+
 On SLURM, launch/slurm_gpu.sbatch runs one array task per run through `--only $SLURM_ARRAY_TASK_ID`.
 """
 
@@ -129,8 +133,9 @@ def plan_parallel(requested: int, devices_per_run: int) -> tuple[int, list[list[
 class Sweep:
     """Starts runs as slots free up, records each one's status, and passes SIGTERM on to them."""
 
-    def __init__(self, parallel: int, slices: list[list[str]], fail_fast: bool):
+    def __init__(self, parallel: int, slices: list[list[str]], fail_fast: bool, cache_dir: Path | None = None):
         self.parallel, self.slices, self.fail_fast = parallel, slices, fail_fast
+        self.cache_dir = cache_dir
         self.running: dict = {}        # Popen -> (run, run_dir, command, log file, slice index)
         self.failed: list = []
         self.stopped: list = []        # ended by SIGTERM with a checkpoint: a rerun resumes them
@@ -138,6 +143,8 @@ class Sweep:
 
     def start(self, run, run_dir: Path, cmd: list[str]):
         env = dict(os.environ)
+        if self.cache_dir is not None:
+            env.setdefault("JAX_COMPILATION_CACHE_DIR", str(self.cache_dir))
         free = sorted(set(range(len(self.slices))) - {v[4] for v in self.running.values()})
         slot = free[0] if self.slices else None
         if slot is not None:
@@ -232,7 +239,7 @@ def main(argv=None):
             {"config": args.config, "extra": extra,
              "runs": [{"index": r.index, "name": r.name, "overrides": r.overrides} for r in runs]}, indent=1, default=str))
     parallel, slices = plan_parallel(args.parallel, args.devices_per_run)
-    sweep = Sweep(parallel, slices, args.fail_fast)
+    sweep = Sweep(parallel, slices, args.fail_fast, workdir / "xla_cache")
     previous = {s: signal.signal(s, lambda signum, frame: sweep.stop(signal.SIGTERM))
                 for s in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -382,11 +382,30 @@ def test_decoding_step_equals_causal_pass(kind):
     ctx = attn.decode_context(d, stats=stats) if isinstance(attn, attention.RandomFeatureAttention) else None
     state = attn.decode_init(2, 2, d, v.shape[-1])
     step = jax.jit(attn.decode_step)                    # as a generation loop runs it: one program a step
-    outs = []
+    outs, states = [], [state]
     for t in range(l):
         o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
         outs.append(o)
+        states.append(state)
     assert_close(attn, jnp.concatenate(outs, 1), full, q, k, v, valid, True, stats)
+    check_prefill(attn, states, q, k, v, ctx, valid, step, jnp.concatenate(outs, 1))
+
+
+def check_prefill(attn, states, q, k, v, ctx, valid, step, outs):
+    """A prompt's prefill (all its keys at once) leaves the state the loop had after as many tokens, at
+    every prompt length (an empty one and one that ends on a padded token included), and decoding on
+    from it gives the loop's outputs."""
+    prefill = jax.jit(attn.decode_prefill)
+    for p in range(q.shape[1] + 1):
+        state = prefill(k[:, :p], v[:, :p], ctx, valid[:, :p])
+        assert jax.tree.structure(state) == jax.tree.structure(states[p])
+        for name in state:
+            np.testing.assert_allclose(np.asarray(state[name]), np.asarray(states[p][name]), rtol=2e-5, atol=1e-6,
+                                       err_msg=f"{attn.name} {name} after {p} tokens")
+    state = prefill(k[:, :5], v[:, :5], ctx, valid[:, :5])
+    for t in range(5, q.shape[1]):
+        o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
+        np.testing.assert_allclose(np.asarray(o), np.asarray(outs[:, t:t + 1]), rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", LINEAR)

@@ -33,4 +33,4 @@ def test_every_package_registry_is_one():
                      tasks.REGISTRY, repro.REGISTRY):
         assert isinstance(registry, Registry) and registry.names()
     assert attention.names() == attention.registry.REGISTRY.names()
-    assert models.names() == ("bert", "vit", "conformer")
+    assert models.names() == ("bert", "vit", "conformer", "decoder")

@@ -216,6 +216,9 @@ def test_speech_sweep_settings_are_valid_configs():
     asked = sk.asked_settings([8, 16], 64, quick=False)
     assert sorted(set(labels)) == sorted(asked) and all(labels.count(k) == 3 for k in asked)
     assert len(runs) == 33
+    # seed by seed: the first pass runs every setting once (parallel runs are then different programs)
+    assert [r.overrides["seed"] for r in runs] == [s for s in range(3) for _ in range(11)]
+    assert len(set(labels[:11])) == 11
     path = trained.config_path("conformer_librispeech.py")
     assert len(sweeps.load(path + ":data=hard,runlocal,quick,floor=False,seeds=2")) == 4
     # a wide width equal to a narrow one: FAVOR+ there once, as the report asks for it

@@ -56,6 +56,13 @@ def test_default_config_sweeps_kinds_times_seeds():
     default.get_config("seeds=3")          # the config itself accepts (and ignores) the sweep's arg
 
 
+def test_seed_by_seed_runs_every_setting_before_any_twice():
+    items = list(sweeps.seed_by_seed([{"a": 1}, {"a": 2, "b": "x"}], range(2)))
+    assert items == [{"a": 1, "seed": 0}, {"a": 2, "b": "x", "seed": 0}, {"a": 1, "seed": 1},
+                     {"a": 2, "b": "x", "seed": 1}]
+    assert [r.name for r in sweeps.runs(items)] == ["a=1_seed=0", "a=2_b=x_seed=0", "a=1_seed=1", "a=2_b=x_seed=1"]
+
+
 def test_sweep_lists_keep_kind_names_with_plus_signs():
     """"+" is part of kind names: a list arg separates by "/", and favor+ / favor++ stay themselves."""
     runs = sweeps.load(str(ROOT / "configs/default.py") + ":seeds=1,kinds=favor+/favor++/favor,qk_norms=none/l2")

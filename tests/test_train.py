@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from favor import checkpoint, configlib, models, tasks, job
+from favor import checkpoint, configlib, job, models, sharding, tasks
 from favor.train import optim
 from favor.attention import schedule
 from favor.data.prefetch import prefetch
@@ -81,6 +81,27 @@ def _step_inputs():
     static = dict(graphdef=nnx.graphdef(model), task=tasks.get({"name": "classification"}), tx=tx, lr_schedule=lr,
                   redraw=schedule.parse("step"), features_base=jax.random.PRNGKey(7))
     return steps.init_state(model, tx), batch, static
+
+
+def test_runs_that_differ_in_their_seed_share_their_programs():
+    """The seed enters the train step and the initial state as an argument, not as a constant: the lowered
+    programs of two seeds are the same text, so a sweep's later seeds reuse the first's compiled programs
+    (JAX's persistent cache), while their ω streams and parameters still differ."""
+    lowered, keys = {}, {}
+    for seed in (0, 1):
+        config = tiny(seed=seed, **{"model.attention.redraw": "step"})
+        source, task = job.make_data(config)
+        model = job.make_model(config, source)
+        layout = job.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
+        step_fn = job.make_train_step(config, model, task, layout)
+        batch = next(iter(source.train_batches(int(config.batch_size), 0, seed)))
+        batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
+        init = jax.jit(model.init).lower(job.model_keys(seed)).as_text()
+        lowered[seed] = (step_fn.lower(layout.abstract, batch).as_text(), init)
+        keys[seed] = (jax.random.key_data(step_fn.features_base), jax.random.key_data(job.model_keys(seed)["params"]))
+    assert lowered[0][0] == lowered[1][0]
+    assert lowered[0][1] == lowered[1][1]
+    assert not np.array_equal(keys[0][0], keys[1][0]) and not np.array_equal(keys[0][1], keys[1][1])
 
 
 def test_train_step_accumulating_two_microbatches_equals_one_big_batch():

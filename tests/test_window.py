@@ -11,7 +11,8 @@ import pytest
 import reference
 from favor import attention, configlib
 from favor.attention import window as window_lib
-from test_attention import calibration_stats, check_gradients_against_explicit, context_of, key_mask, make, qkv
+from test_attention import (calibration_stats, check_gradients_against_explicit, check_prefill, context_of, key_mask,
+                            make, qkv)
 
 
 def check(attn, q, k, v, mask, causal, rng=None, stats=None, rtol=2e-4):
@@ -189,12 +190,15 @@ def test_decoding_step_equals_causal_pass(kind):
     full = attn(q, k, v, mask=valid, causal=True, stats=stats)
     ctx = attn.decode_context(d, stats=stats)
     state = attn.decode_init(2, 2, d, v.shape[-1])
-    steps = []
+    steps, states = [], [state]
     step = jax.jit(attn.decode_step)           # one program a step, as generation runs it
     for t in range(l):
         o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
         steps.append(o)
+        states.append(state)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), rtol=2e-4, atol=2e-5)
+    # prompts shorter and longer than the band + 1, and one ending on the padded token
+    check_prefill(attn, states, q, k, v, ctx, valid, step, jnp.concatenate(steps, 1))
 
 
 def test_causal_with_fewer_queries_aligns_them_to_the_last_keys():

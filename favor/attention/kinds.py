@@ -206,6 +206,15 @@ class FeatureAttention(Attention, abc.ABC):
     def decode_init(self, batch, heads, dim, dv):
         return linear.decode_init(batch, heads, self.feature_dim(dim), dv, None if self.positive else dim)
 
+    def decode_prefill(self, k, v, ctx=None, valid=None):
+        """The state after keys k [B, L, H, D] and values v [B, L, H, Dv] (valid [B, L] or None), as
+        decode_init then decode_step token by token would leave it, computed at once: a prompt's prefill."""
+        if k.shape[1] == 0:
+            return self.decode_init(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
+        _, (lk, sk) = self.log_maps(k, k, ctx)
+        _, y = self.inputs(k, k)
+        return linear.decode_prefill(lk, sk, _to_bhld(v), valid, None if self.positive else k.shape[-1], y)
+
     def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
         """One token: q_t, k_t [B, 1, H, D], v_t [B, 1, H, Dv], valid [B] or None ->
         (out [B, 1, H, Dv], state); equal to the causal pass token by token."""
@@ -453,6 +462,13 @@ class RandomFeatureAttention(FeatureAttention):
             return super().decode_init(batch, heads, dim, dv)
         return window_lib.decode_init(batch, heads, self.feature_dim(dim), dim, dv, self.window,
                                       signed=not self.positive)
+
+    def decode_prefill(self, k, v, ctx=None, valid=None):
+        if not self.window or k.shape[1] == 0:
+            return super().decode_prefill(k, v, ctx, valid)
+        _, (lk, sk) = self.log_maps(k, k, ctx)
+        _, y = self.scaled(k, k)
+        return window_lib.decode_prefill(lk, sk, y, _to_bhld(v), self.window, valid, signed=not self.positive)
 
     def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
         if not self.window:

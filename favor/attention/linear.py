@@ -736,6 +736,32 @@ def decode_read(state, lq, sq):
     return jnp.einsum("bhf,bhfd->bhd", fq, state["sum"]), scale
 
 
+def decode_prefill(lk, sk, v, valid=None, dim=None, y=None):
+    """The state `decode_step` reaches after absorbing keys lk [B, H, L, F | 1] (sign sk [B, H, L, F] or
+    None), values v [B, H, L, Dv] and key inputs y [B, H, L, D] one at a time, computed at once (the
+    prefill of a prompt): τ the keys' maximum, the sum of their features on it, and with `dim` the
+    floor's sums. valid [B, L]: keys that count (the others are absorbed as no key, as decode_step does)."""
+    b, h, l = v.shape[:3]
+    lk = lk.astype(F32)
+    if valid is not None:
+        lk = jnp.where(jnp.asarray(valid, bool)[:, None, :, None], lk, NEG_INF)
+    features = lk.shape[-1] if sk is None else sk.shape[-1]
+    tau = jnp.broadcast_to(jnp.max(lk, axis=2), (b, h, features)) if l else jnp.full((b, h, features), NEG_INF, F32)
+    fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - finite_or(tau)[:, :, None]), 0.0), sk)
+    state = {"tau": tau, "sum": jnp.einsum("bhlf,bhld->bhfd", jnp.broadcast_to(fk, (b, h, l, features)),
+                                           ones_column(v))}
+    if dim is not None:
+        w = jnp.ones((b, l), F32) if valid is None else jnp.asarray(valid, F32)
+        real = w[:, None, :, None] > 0
+        v = v.astype(F32)
+        big = jnp.finfo(F32).max
+        state.update(ysum=jnp.einsum("bl,bhld->bhd", w, y.astype(F32)), vsum=jnp.einsum("bl,bhld->bhd", w, v),
+                     count=jnp.sum(w, axis=1, keepdims=True),
+                     vmin=jnp.min(jnp.where(real, v, big), axis=2, initial=big),
+                     vmax=jnp.max(jnp.where(real, v, -big), axis=2, initial=-big))
+    return state
+
+
 def decode_step(state, lq, sq, lk, sk, v, valid=None, positive=True, x=None, y=None):
     """One token: lq, lk [B, H, F], v [B, H, Dv], valid [B] or None -> (out [B, H, Dv], state).
     The same stabilisers as the causal pass with every key a chunk of its own: exact. x, y [B, H, D]:

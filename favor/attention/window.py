@@ -173,6 +173,33 @@ def decode_init(batch, heads, features, dim, dv, window, signed):
     return state
 
 
+def decode_prefill(lk, sk, y, v, window, valid=None, signed=False):
+    """The state `decode_step` reaches after the keys lk [B, H, L, F | 1] (sign sk or None), y [B, H, L, D],
+    v [B, H, L, Dv] one at a time, computed at once: the last w + 1 tokens' slots in the band (empty slots
+    before a short prompt), the keys before them in the linear state, and every key in the floor's sums."""
+    b, h, l = v.shape[:3]
+    w1 = window + 1
+    key = jnp.ones((b, l), bool) if valid is None else jnp.asarray(valid, bool)
+    old = max(l - w1, 0)
+    lin = linear.decode_prefill(lk[:, :, :old], None if sk is None else sk[:, :, :old], v[:, :, :old],
+                                key[:, :old])
+    floor = linear.decode_prefill(lk, sk, v, key, y.shape[-1], y) if signed else {}
+    features = lin["tau"].shape[-1]
+    lk = lk.astype(F32)
+    if sk is not None:                 # kept per feature in the buffer, as decode_step keeps it
+        lk = jnp.broadcast_to(lk, sk.shape)
+    lk = jnp.where(key[:, None, :, None], lk, NEG_INF)
+    pad = max(w1 - l, 0)
+    band = lambda a, fill: jnp.pad(a[:, :, old:], ((0, 0), (0, 0), (pad, 0)) + ((0, 0),) * (a.ndim - 3),
+                                   constant_values=fill)
+    state = {**lin, **{k: floor[k] for k in linear.FLOOR_STATE if k in floor},
+             "y": band(y.astype(F32), 0.0), "lk": band(lk, NEG_INF), "v": band(v.astype(F32), 0.0),
+             "key": band(jnp.broadcast_to(key[:, None, :], (b, h, l)), False)}
+    if signed:
+        state["sk"] = band(jnp.ones((b, h, l, features), F32) if sk is None else sk.astype(F32), 1.0)
+    return state
+
+
 def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
     """One token: lq, lk [B, H, F], x, y [B, H, D], v [B, H, Dv] -> (out [B, H, Dv], state). The oldest
     of the w + 1 kept keys leaves the band (into the linear state); the new key joins it."""

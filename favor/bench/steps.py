@@ -34,7 +34,7 @@ def train_steps(config_spec, kinds, rounds, seed=0, flags=()):
         model = job.make_model(config, source)
         layout = job.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
         step_fn = job.make_train_step(config, model, task, layout)
-        state = jax.jit(model.init, out_shardings=layout.state)()
+        state = job.initial_state(config, model, layout)
         batch = layout.global_batch(next(iter(source.train_batches(int(config.batch_size), 0, int(config.seed)))))
         state, _ = step_fn(state, batch)                                   # compile and warm
         jax.block_until_ready(state)

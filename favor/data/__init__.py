@@ -22,6 +22,7 @@ REGISTRY = Registry("dataset", {
     "digits": "favor.data.digits:Digits",              # scikit-learn's digits (ships with it)
     "glue": "favor.data.glue:Glue",                    # TFDS glue/<task>
     "text": "favor.data.text:MaskedText",              # MLM pretraining on a TFDS text builder
+    "causal_text": "favor.data.text:CausalText",       # next-token prediction on the same packed text
     "imagenet": "favor.data.imagenet:ImageNet",        # TFDS imagenet2012 (manual download)
     "speech": "favor.data.speech:Speech",              # TFDS librispeech or the espeak corpus
     "listops": "favor.data.listops:Listops",           # ListOps by LRA's rules (favor_listops)

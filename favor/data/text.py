@@ -1,4 +1,5 @@
-"""Masked-language-model pretraining text: a TFDS text builder, tokenized, packed, masked as BERT does.
+"""Text for language models: a TFDS text builder, tokenized and packed; masked as BERT does (MaskedText,
+data name "text") or read for next-token prediction (CausalText, "causal_text").
 
     data = {"name": "text", "dataset": "wikipedia/20230601.en", "tokenizer": "", "max_length": 512, ...}
 
@@ -22,8 +23,9 @@ Pipeline
   masked afresh at every step from the per-example rng (dynamic masking, as RoBERTa); eval rows with a
   fixed rng per row, so every evaluation scores the same targets.
 
-Batch: input_ids, token_type_ids (zeros), attention_mask [B, L]; mlm_positions, mlm_ids [B, P] int32 and
-mlm_weights [B, P] float32 (1 for a real target).
+MaskedText's batch: input_ids, token_type_ids (zeros), attention_mask [B, L]; mlm_positions, mlm_ids
+[B, P] int32 and mlm_weights [B, P] float32 (1 for a real target). CausalText packs rows of max_length
+tokens without [CLS] and predicts each next token (its docstring).
 """
 
 from __future__ import annotations
@@ -95,24 +97,23 @@ def mask_row(ids: np.ndarray, candidates: np.ndarray, rng, rate, max_predictions
             np.pad(np.ones(k, np.float32), (0, pad)))
 
 
-class MaskedText(IndexedSource):
+class PackedText(IndexedSource):
+    """A text builder's splits tokenized into packed token streams (what both text objectives read):
+    the tokenizer, `tokens[split]`, and rows of `width` tokens."""
+
     OPTIONS = {"dataset": "wikipedia/20230601.en", "text_field": "text", "train_split": "train[:99%]",
                "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "", "vocab_size": 32000,
-               "tokenizer_sample": 200_000, "max_length": 512, "mask_rate": 0.15, "max_documents": 0,
-               "max_eval_rows": 2048}
+               "tokenizer_sample": 200_000, "max_length": 512, "max_documents": 0, "max_eval_rows": 2048}
 
     def __init__(self, dataset="wikipedia/20230601.en", text_field="text", train_split="train[:99%]",
                  eval_split="train[99%:]", data_dir=None, tokenizer="", vocab_size=32000,
-                 tokenizer_sample=200_000, max_length=512, mask_rate=0.15, max_documents=0, max_eval_rows=2048):
-        if not 0.0 < float(mask_rate) < 1.0:
-            raise ValueError(f"text: mask_rate must be in (0, 1); got {mask_rate!r}")
+                 tokenizer_sample=200_000, max_length=512, max_documents=0, max_eval_rows=2048):
         if int(max_length) < 8:
             raise ValueError(f"text: max_length must be at least 8; got {max_length!r}")
         if dataset == "local":
             data_dir = local.prepare("docstrings", data_dir)
             dataset = local.builder_name("docstrings")
-        self.dataset, self.max_length, self.rate = dataset, int(max_length), float(mask_rate)
-        self.max_predictions = math.ceil(self.rate * self.max_length) + 1
+        self.dataset, self.max_length = dataset, int(max_length)
         self.max_eval_rows = int(max_eval_rows)
         cache = Path(data_dir).expanduser() if data_dir else local.cache_dir()
         train_src = open_tfds(dataset, train_split, data_dir)
@@ -128,25 +129,37 @@ class MaskedText(IndexedSource):
             self.tokenizer = (tokenizers.SentencePiece(model) if model.exists() else
                               train_tokenizer(train_src, text_field, model, vocab_size, tokenizer_sample))
         self.vocab_size = self.tokenizer.vocab_size
-        tok = self.tokenizer
-        special = {tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id}
-        self.random_ids = np.asarray([i for i in range(self.vocab_size) if i not in special], np.int32)
-        fingerprint = _fingerprint(tok)
+        fingerprint = _fingerprint(self.tokenizer)
         packed = cache / "favor_packed" / safe
         cached = lambda name: packed / f"{_safe_split(name)}-{_safe_split(text_field)}-{fingerprint}-{int(max_documents)}.npy"
         self.tokens = {
-            split: pack(src, text_field, tok, cached(name), max_documents)
+            split: pack(src, text_field, self.tokenizer, cached(name), max_documents)
             for split, src, name in (("train", train_src, train_split), ("eval", eval_src, eval_split))}
         if self.num_examples("train") == 0:
             raise ValueError(f"text: {dataset} {train_split} has no tokens to train on")
 
     @property
     def width(self) -> int:
+        """Stream tokens per row."""
         return self.max_length - 2
 
     def num_examples(self, split):
         n = math.ceil(len(self.tokens[split]) / self.width)
         return min(n, self.max_eval_rows) if split == "eval" and self.max_eval_rows else n
+
+
+class MaskedText(PackedText):
+    OPTIONS = {**PackedText.OPTIONS, "mask_rate": 0.15}
+
+    def __init__(self, mask_rate=0.15, **options):
+        if not 0.0 < float(mask_rate) < 1.0:
+            raise ValueError(f"text: mask_rate must be in (0, 1); got {mask_rate!r}")
+        super().__init__(**options)
+        self.rate = float(mask_rate)
+        self.max_predictions = math.ceil(self.rate * self.max_length) + 1
+        tok = self.tokenizer
+        special = {tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id}
+        self.random_ids = np.asarray([i for i in range(self.vocab_size) if i not in special], np.int32)
 
     def read(self, split, global_rows, local_rows, rngs):
         tok, length, p = self.tokenizer, self.max_length, self.max_predictions
@@ -167,6 +180,37 @@ class MaskedText(IndexedSource):
             candidates = np.flatnonzero(chunk != tok.sep_id) + 1
             pos, tgt, w = mask_row(ids, candidates, rng, self.rate, p, tok.mask_id, self.random_ids)
             out["mlm_positions"][i], out["mlm_ids"][i], out["mlm_weights"][i] = pos, tgt, w
+        return out
+
+
+class CausalText(PackedText):
+    """Next-token prediction on the packed stream (GPT-2's packing: rows run across document boundaries,
+    [SEP] ending each document): row i reads tokens[i·L, (i+1)·L] with L = max_length; its input is the
+    first L of them and its targets the last L (each position predicts the token after it), so every
+    stream token but the first is a target exactly once. The last row is padded (weights 0).
+
+    Batch: input_ids, attention_mask, targets [B, L] int32 and weights [B, L] float32 (1: a real target)."""
+
+    @property
+    def width(self) -> int:
+        return self.max_length
+
+    def num_examples(self, split):
+        n = math.ceil(max(len(self.tokens[split]) - 1, 0) / self.width)
+        return min(n, self.max_eval_rows) if split == "eval" and self.max_eval_rows else n
+
+    def read(self, split, global_rows, local_rows, rngs):
+        tok, length = self.tokenizer, self.max_length
+        stream = self.tokens[split]
+        b = len(local_rows)
+        out = {"input_ids": np.full((b, length), tok.pad_id, np.int32),
+               "attention_mask": np.zeros((b, length), np.int32),
+               "targets": np.full((b, length), tok.pad_id, np.int32), "weights": np.zeros((b, length), np.float32)}
+        for i, row in enumerate(local_rows):
+            chunk = np.asarray(stream[int(row) * length:(int(row) + 1) * length + 1], np.int32)
+            n = len(chunk) - 1
+            out["input_ids"][i, :n], out["targets"][i, :n] = chunk[:-1], chunk[1:]
+            out["attention_mask"][i, :n], out["weights"][i, :n] = 1, 1.0
         return out
 
 

@@ -1,4 +1,5 @@
-"""The model zoo: BERT, ViT and a Conformer encoder, each with any attention kind by config.
+"""The model zoo: BERT, ViT, a Conformer encoder and a causal decoder LM, each with any attention kind by
+config.
 
     from favor import models
     model = models.get("bert", "base", rngs=nnx.Rngs(0), attention={"kind": "favor#"}, head="mlm")

@@ -17,7 +17,7 @@ from flax import nnx
 
 from favor import attention as attention_lib
 from favor.attention import qknorm
-from favor.attention.kinds import RandomFeatureAttention
+from favor.attention.kinds import RandomFeatureAttention, Softmax
 
 AXES = ("vocab", "embed", "heads", "mlp", "kernel", "classes")
 
@@ -115,14 +115,14 @@ class SelfAttention(nnx.Module):
 
     def __init__(self, hidden: int, heads: int, attention: Mapping[str, Any], *, rngs: nnx.Rngs,
                  dropout: float = 0.0, causal: bool = False, use_rotary: bool = False,
-                 dtype=None, param_dtype=jnp.float32):
+                 rotary_base: float = 10000.0, use_bias: bool = True, dtype=None, param_dtype=jnp.float32):
         if hidden % heads:
             raise ValueError(f"hidden size {hidden} is not a multiple of the number of heads {heads}")
         self.heads, self.head_dim = heads, hidden // heads
-        self.causal, self.use_rotary = causal, use_rotary
+        self.causal, self.use_rotary, self.rotary_base = causal, use_rotary, float(rotary_base)
         kind, options, qk = attention_spec(attention)
         self.kind = attention_lib.get(kind, **options)
-        proj = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        proj = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
         self.query = dense(hidden, hidden, ("embed", "heads"), **proj)
         self.key = dense(hidden, hidden, ("embed", "heads"), **proj)
         self.value = dense(hidden, hidden, ("embed", "heads"), **proj)
@@ -170,7 +170,7 @@ class SelfAttention(nnx.Module):
             q, k = self.query_norm(q).astype(q.dtype), self.key_norm(k).astype(k.dtype)
         if self.use_rotary:
             pos = jnp.arange(l) if positions is None else positions
-            q, k = rotary(q, pos), rotary(k, pos)
+            q, k = rotary(q, pos, self.rotary_base), rotary(k, pos, self.rotary_base)
         return q, k, v
 
     def __call__(self, x, mask=None, *, deterministic: bool = True, positions=None):
@@ -194,6 +194,46 @@ class SelfAttention(nnx.Module):
         if self.record:
             self.sow(nnx.Intermediate, "transfer", (x, mask, positions, result))
         return result
+
+
+    # -- incremental decoding (causal layers) ----------------------------------------------------------
+    def _decode_context(self):
+        draw = None if self.features is None else self.features.get_value()
+        stats = None if self.fit_stats is None else self.fit_stats.get_value()
+        return self.kind.decode_context(self.head_dim, draw=draw, stats=stats)
+
+    def prefill(self, x, max_length: int):
+        """A prompt x [B, P, hidden] -> (the causal outputs [B, P, hidden], the cache decoding continues
+        from). Linear kinds keep a state whose size does not depend on the length (their prefill absorbs
+        the prompt's keys at once); softmax keeps every key and value up to `max_length` positions."""
+        if not self.causal:
+            raise ValueError("prefill/decode need a causal attention layer")
+        b, p, _ = x.shape
+        if p > max_length:
+            raise ValueError(f"a prompt of {p} tokens does not fit a cache of max_length {max_length}")
+        q, k, v = self.project(x)
+        draw = None if self.features is None else self.features.get_value()
+        stats = None if self.fit_stats is None else self.fit_stats.get_value()
+        out = self.kind(q, k, v, causal=True, draw=draw, stats=stats)
+        out = self.out(out.reshape(b, p, self.heads * self.head_dim).astype(x.dtype))
+        if isinstance(self.kind, Softmax):
+            grow = lambda a: jnp.pad(a, ((0, 0), (0, max_length - p), (0, 0), (0, 0)))
+            return out, {"k": grow(k), "v": grow(v)}
+        return out, self.kind.decode_prefill(k, v, self._decode_context())
+
+    def decode(self, x, position, cache):
+        """One token x [B, 1, hidden] at `position` (its index in the sequence, a scalar) -> (out [B, 1,
+        hidden], cache): the causal pass's output at that position."""
+        b = x.shape[0]
+        q, k, v = self.project(x, jnp.reshape(position, (1,)))
+        if isinstance(self.kind, Softmax):
+            at = lambda c, new: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), position, axis=1)
+            cache = {"k": at(cache["k"], k), "v": at(cache["v"], v)}
+            seen = jnp.arange(cache["k"].shape[1]) <= position
+            out = self.kind(q, cache["k"], cache["v"], mask=jnp.broadcast_to(seen, (b, seen.shape[0])))
+        else:
+            out, cache = self.kind.decode_step(cache, q, k, v, self._decode_context())
+        return self.out(out.reshape(b, 1, self.heads * self.head_dim).astype(x.dtype)), cache
 
 
 class Mlp(nnx.Module):

@@ -3,7 +3,9 @@
 "tiny" is test-sized in every family (compiles and runs in seconds on a CPU); "small", "base" and
 "large" are the published sizes: BERT-small (Turc et al. 2019, 4 layers × 512), BERT-base/large
 (Devlin et al. 2019), ViT-S/16, ViT-B/16, ViT-L/16 (Dosovitskiy et al. 2021), and for the Conformer
-"small" is CRT Table 6 (17 layers, 4 heads, 256 hidden) with "base"/"large" scaled from it.
+"small" is CRT Table 6 (17 layers, 4 heads, 256 hidden) with "base"/"large" scaled from it. The
+decoder's "gpt2" is GPT-2 small (Radford et al. 2019, 124M) in its own layout, "small" the Llama layout
+at that width and depth, "mini" the size the local docstrings corpus trains.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ DEFAULTS = {
                 mlp_dim=3072, num_classes=1000, pool="cls", posemb="learn", pooler=False, dropout=0.0,
                 attention_dropout=0.0, layer_norm_eps=1e-12, attention=DEFAULT_ATTENTION,
                 dtype="float32", param_dtype="float32"),
+    # Llama's layout by default; the "gpt2" preset switches to GPT-2's (LayerNorm, GELU, learned positions)
+    "decoder": dict(vocab_size=32000, hidden=768, num_layers=12, heads=12, mlp_dim=2048, max_positions=2048,
+                    norm="rms", mlp="swiglu", positions="rotary", rotary_base=10000.0, tie_embeddings=False,
+                    use_bias=False, norm_eps=1e-6, dropout=0.0, attention_dropout=0.0, attention=DEFAULT_ATTENTION,
+                    dtype="float32", param_dtype="float32"),
     "conformer": dict(features=80, vocab_size=256, hidden=256, num_layers=17, heads=4, mlp_ratio=4,
                       conv_kernel=31, conv_norm="batch", subsampling_channels=256, dropout=0.1,
                       attention_dropout=0.0, layer_norm_eps=1e-5, attention=DEFAULT_ATTENTION,
@@ -40,6 +47,15 @@ PRESETS = {
         "small": dict(hidden=384, num_layers=12, heads=6, mlp_dim=1536),         # ViT-S/16
         "base": dict(),                                                          # ViT-B/16
         "large": dict(hidden=1024, num_layers=24, heads=16, mlp_dim=4096),       # ViT-L/16
+    },
+    "decoder": {
+        "tiny": dict(vocab_size=256, hidden=64, num_layers=2, heads=2, mlp_dim=128, max_positions=256),
+        "mini": dict(vocab_size=4000, hidden=256, num_layers=4, heads=4, mlp_dim=704, max_positions=512),
+        # the Llama layout at GPT-2 small's width and depth (12 × 768, SwiGLU 2048 ≈ GPT-2's 3072 GELU)
+        "small": dict(),
+        "gpt2": dict(vocab_size=50257, hidden=768, num_layers=12, heads=12, mlp_dim=3072, max_positions=1024,
+                     norm="layer", mlp="gelu", positions="learned", tie_embeddings=True, use_bias=True,
+                     norm_eps=1e-5, dropout=0.1, attention_dropout=0.0),                    # GPT-2 small (124M)
     },
     "conformer": {
         "tiny": dict(features=16, vocab_size=32, hidden=64, num_layers=2, heads=2, conv_kernel=7,

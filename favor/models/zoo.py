@@ -1,4 +1,4 @@
-"""The model zoo by name: the families (BERT, ViT, Conformer), their presets, and the checked keyword
+"""The model zoo by name: the families (BERT, ViT, Conformer, the decoder LM), their presets, and the checked keyword
 set a model is built from."""
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from favor.attention import qknorm
 from favor.models import presets
 from favor.models.bert import Bert
 from favor.models.conformer import Conformer
+from favor.models.decoder import Decoder
 from favor.models.vit import ViT
 from favor.registry import Registry
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-FAMILIES = Registry("model", {"bert": Bert, "vit": ViT, "conformer": Conformer})
+FAMILIES = Registry("model", {"bert": Bert, "vit": ViT, "conformer": Conformer, "decoder": Decoder})
 names = FAMILIES.names
 
 
@@ -59,7 +60,7 @@ def config(name: str, preset: str = "tiny", **overrides) -> dict[str, Any]:
 
 
 def get(name: str, preset: str = "tiny", *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
-    """Build model `name` ("bert", "vit", "conformer") at `preset` with `overrides`.
+    """Build model `name` ("bert", "vit", "conformer", "decoder") at `preset` with `overrides`.
 
     rngs streams: "params" (weights), "dropout", "features" (the random projections, kept as
     FeatureDraw state); one seed `nnx.Rngs(0)` serves all three."""

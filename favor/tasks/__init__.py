@@ -20,6 +20,7 @@ REGISTRY = Registry("task", {
     "classification": "favor.tasks.classification:Classification",
     "glue": "favor.tasks.glue:Glue",
     "mlm": "favor.tasks.mlm:MaskedLM",
+    "causal_lm": "favor.tasks.mlm:CausalLM",
     "ctc": "favor.tasks.ctc:Ctc",
 })
 

@@ -1,4 +1,5 @@
-"""Masked-language-model pretraining (BERT): cross-entropy at the masked positions only."""
+"""Language-model losses: masked-token prediction (BERT: cross-entropy at the masked positions only) and
+next-token prediction (a causal decoder: cross-entropy at every position with a target)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ class MaskedLM:
         n = max(sums["count"], 1.0)
         loss = sums["loss"] / n
         return {"loss": loss, "accuracy": sums["correct"] / n, "perplexity": float(np.exp(min(loss, 50.0)))}
+
+
+class CausalLM(MaskedLM):
+    """Batches from favor.data.text.CausalText: the decoder's logits at every position against the next
+    token (`targets`), weighted by `weights`; metrics token accuracy and, in eval, perplexity."""
+
+    def _losses(self, model, batch, deterministic):
+        out = model(batch["input_ids"], batch["attention_mask"], deterministic=deterministic)
+        logits = out["logits"].astype(jnp.float32)
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+        return xent, correct, batch["weights"].astype(jnp.float32)
