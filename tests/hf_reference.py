@@ -1,6 +1,6 @@
 """The torch side of the Hugging Face tests, run as its own process: `python hf_reference.py OUT`.
 
-Builds tiny random BERT/ViT models with transformers (torch CPU), saves each to OUT/<case>/ with
+Builds tiny random BERT/ViT/GPT-2/Llama models with transformers (torch CPU), saves each to OUT/<case>/ with
 save_pretrained, and writes the reference outputs on fixed inputs to OUT/<case>/reference.npz. The
 tests then import the checkpoints with favor and compare, in processes that never load torch: torch
 and jaxlib in one process was the suspect of the suite's native crashes (each ships its own OpenMP
@@ -23,6 +23,10 @@ VIT = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidd
            intermediate_size=48)
 GLUE_BERT = dict(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                  max_position_embeddings=32, num_labels=2)
+GPT2 = dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4, n_positions=40)
+# grouped-query attention (2 key/value heads for 4 query heads) and a rotary base other than the default
+LLAMA = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0)
 # case -> (architecture, config, seed)
 CASES = {
     "BertModel": ("BertModel", dict(BERT, num_labels=3), 0),
@@ -32,7 +36,10 @@ CASES = {
     "ViTModel": ("ViTModel", dict(VIT, num_labels=5), 0),
     "ViTForImageClassification": ("ViTForImageClassification", dict(VIT, num_labels=5), 0),
     "glue": ("BertForSequenceClassification", GLUE_BERT, 0),
+    "GPT2LMHeadModel": ("GPT2LMHeadModel", GPT2, 0),
+    "LlamaForCausalLM": ("LlamaForCausalLM", LLAMA, 0),
 }
+CONFIGS = {"ViT": "ViTConfig", "Bert": "BertConfig", "GPT2": "GPT2Config", "Llama": "LlamaConfig"}
 
 
 def inputs():
@@ -54,13 +61,15 @@ def write(out: Path) -> None:
     ids, types, mask, images = inputs()
     for case, (arch, cfg, seed) in CASES.items():
         torch.manual_seed(seed)
-        config_cls = transformers.ViTConfig if arch.startswith("ViT") else transformers.BertConfig
+        config_cls = getattr(transformers, next(c for prefix, c in CONFIGS.items() if arch.startswith(prefix)))
         model = getattr(transformers, arch)(config_cls(**cfg))
         model.eval()
         model.save_pretrained(out / case, safe_serialization=True)
         with torch.no_grad():
             if arch.startswith("ViT"):
                 ref = model(pixel_values=torch.tensor(images.transpose(0, 3, 1, 2)), output_hidden_states=True)
+            elif arch.startswith(("GPT2", "Llama")):        # causal: padding at the ends of rows
+                ref = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
             else:
                 ref = model(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types),
                             attention_mask=torch.tensor(mask), output_hidden_states=True)

@@ -161,3 +161,19 @@ def test_bench_uptrain_gives_a_kind_its_own_variant_option():
         options = attention.block_options(config.model.attention)
         assert options["kind"] == spec.partition(":")[0] and options[key] == value, options
         assert key not in attention.ignored_block_options(config.model.attention)
+
+
+def test_bench_generate_writes_speed_and_state_against_softmax(tmp_path):
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    cli.main(["generate", "--lengths", "8,24", "--kinds", "softmax,favor+", "--tokens", "3", "--rounds", "1",
+              "--preset", "tiny", "--num_features", "16", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench" / "generate.json").read_text())["results"]
+    # FAVOR+'s state is the same at both prompt lengths; softmax's cache holds prompt + tokens positions
+    assert data["8"]["favor+"]["state_bytes"] == data["24"]["favor+"]["state_bytes"]
+    assert data["24"]["softmax"]["state_bytes"] == data["8"]["softmax"]["state_bytes"] * 27 // 11
+    assert all(v["tokens_per_s"] > 0 and v["prefill_s"] > 0 for r in data.values() for v in r.values())
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| 24 | favor+ |" in md and "![generation](bench/generate.png)" in md
+    assert (tmp_path / "bench" / "generate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--preset", "huge"])

@@ -12,7 +12,7 @@ from favor.attention import qknorm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from configs import bert_glue, bert_pretrain, conformer_librispeech, decoder_lm, default, vit_imagenet  # noqa: E402
+from configs import bert_glue, bert_pretrain, conformer_librispeech, decoder_lm, default, mqar, vit_imagenet  # noqa: E402
 
 RUN_KEYS = ("seed", "total_steps", "batch_size", "eval_batch_size", "checkpoint_every", "eval_every", "log_every",
             "keep_checkpoints", "mesh", "sharding_rules", "prefetch", "data", "task", "model", "optim")
@@ -26,6 +26,7 @@ CONFIG_FILES = sorted(p.name for p in (ROOT / "configs").glob("*.py") if p.name 
     (vit_imagenet, ""), (vit_imagenet, "variant=finetune,init={tmp}"), (vit_imagenet, "grid=16"),
     (vit_imagenet, "data=local"), (conformer_librispeech, ""), (conformer_librispeech, "data=local,kind=favor+"),
     (decoder_lm, ""), (decoder_lm, "data=local,kind=favor++"), (decoder_lm, "runlocal,window=8"),
+    (mqar, ""), (mqar, "kind=favor#,num_features=32,window=4,pairs=16,seq_len=128"),
 ])
 def test_every_config_variant_builds_and_validates(module, arg, tmp_path):
     c = module.get_config(arg.format(tmp=tmp_path))

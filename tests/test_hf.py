@@ -1,5 +1,5 @@
-"""Hugging Face import: tiny random BERT/ViT models built with transformers (torch CPU) are saved,
-imported with favor.models.hf.load, and must give the same hidden states (softmax attention).
+"""Hugging Face import: tiny random BERT/ViT/GPT-2/Llama models built with transformers (torch CPU) are
+saved, imported with favor.models.hf.load, and must give the same outputs (softmax attention).
 transformers has no Flax models; torch is only the reference here, and it runs in a process of its
 own (tests/hf_reference.py, the `hf_reference` fixture): these tests read its checkpoints and outputs."""
 
@@ -101,8 +101,49 @@ def test_unknown_or_missing_tensors_are_named(hf_reference, tmp_path):
     with pytest.raises(ValueError, match="shape"):
         models.hf.load(path, hidden=64, heads=4)
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*BertModel"):
+    (path / "config.json").write_text(json.dumps(dict(cfg, architectures=["T5ForConditionalGeneration"])))
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration.*BertModel"):
         models.hf.load(path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         models.hf.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("case", ["GPT2LMHeadModel", "LlamaForCausalLM"])
+def test_decoders_match_hugging_face(hf_reference, case):
+    """GPT-2 (fused c_attn split, tied output) and Llama (grouped-query attention repeated, RMSNorm, SwiGLU,
+    rotary positions at base 500): favor's softmax logits equal transformers' at every real token."""
+    path, ref = reference(hf_reference, case)
+    ids, _, mask, valid = bert_inputs()
+    model = models.hf.load(path)
+    assert model.config["norm"] == ("layer" if case.startswith("GPT2") else "rms")
+    assert model.config["rotary_base"] == 500.0 or case.startswith("GPT2")
+    ours = np.asarray(model(ids, mask)["logits"])
+    assert np.max(np.abs(ours - ref["logits"])[valid]) < TOL
+    # the same weights under a linear kind: a causal FAVOR+ model of the same parameter tree
+    fav = models.hf.load(path, attention={"kind": "favor+", "num_features": 256})
+    assert jax.tree.structure(nnx.state(fav, nnx.Param)) == jax.tree.structure(nnx.state(model, nnx.Param))
+    err = np.abs(np.asarray(fav(ids, mask)["logits"]) - ref["logits"])[valid]
+    assert np.all(np.isfinite(err)) and 0 < err.mean() < 0.5
+
+
+def test_decoder_checkpoints_favor_cannot_compute_are_refused_by_name(hf_reference, tmp_path):
+    path = shutil.copytree(hf_reference / "LlamaForCausalLM", tmp_path / "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    for bad, match in ((dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling"),
+                       (dict(hidden_act="gelu"), "hidden_act 'gelu'"), (dict(attention_bias=True), "attention_bias"),
+                       (dict(num_key_value_heads=3), "num_key_value_heads 3 does not divide")):
+        (path / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ValueError, match=match):
+            models.hf.load(path)
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file(dict(tensors, **{"model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros((4,), np.float32)}),
+              str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no favor parameter: layers.0.self_attn.rotary_emb.inv_freq"):
+        models.hf.load(path)
+    gpt2 = shutil.copytree(hf_reference / "GPT2LMHeadModel", tmp_path / "gpt2")
+    tensors = load_file(str(gpt2 / "model.safetensors"))
+    save_file(dict(tensors, **{"lm_head.weight": np.ones_like(tensors["transformer.wte.weight"])}),
+              str(gpt2 / "model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head.weight differs from the token embeddings"):
+        models.hf.load(gpt2)

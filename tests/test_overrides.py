@@ -55,8 +55,8 @@ BAD = [
     ("model.hidden", 0, "must be a positive integer"),
     ("model.dropout", 1.0, "must be in [0, 1)"),
     ("model.preset", "huge", "must be one of tiny, mini, small, base, large"),
-    ("data.name", "mnist", "must be one of digits, glue, text, imagenet, speech"),
-    ("task.name", "segmentation", "must be one of classification, glue, mlm, ctc"),
+    ("data.name", "mnist", "must be one of digits, glue, text, causal_text, imagenet, speech, listops, mqar"),
+    ("task.name", "segmentation", "must be one of classification, glue, mlm, causal_lm, ctc"),
 ]
 
 

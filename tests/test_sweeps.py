@@ -72,9 +72,8 @@ def test_sweep_lists_keep_kind_names_with_plus_signs():
         sweeps.load(str(ROOT / "configs/default.py") + ":kinds=favor+++")
     runs = sweeps.load(str(ROOT / "configs/listops.py") + ":seeds=2,kinds=softmax/favor+,band=16")
     assert [r.name for r in runs] == [
-        "kind=softmax_seed=0", "kind=softmax_seed=1", "kind=favor+_seed=0", "kind=favor+_seed=1",
-        "kind=favor++_window=16_seed=0", "kind=favor++_window=16_seed=1",
-        "num_layers=0_pool=mean_seed=0", "num_layers=0_pool=mean_seed=1"]
+        "kind=softmax_seed=0", "kind=favor+_seed=0", "kind=favor++_window=16_seed=0", "num_layers=0_pool=mean_seed=0",
+        "kind=softmax_seed=1", "kind=favor+_seed=1", "kind=favor++_window=16_seed=1", "num_layers=0_pool=mean_seed=1"]
 
 
 # -- launch/sweep_local.py on real runs -----------------------------------------------------------------

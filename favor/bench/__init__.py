@@ -7,6 +7,7 @@
   steps      a config's training step for every kind, round-robin
   uptrain    every kind started from a softmax run (day 0, uptrained, attention transfer, scratch)
   peers      FAVOR+ against performer-pytorch (the optional `bench` extra)
+  generate   a decoder's prefill and token-by-token decoding, each kind against softmax's cache
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not). Each subcommand writes its section of BENCHMARKS.md

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from favor.bench import attention, parts, peers, ratios, steps, train, uptrain
+from favor.bench import attention, generate, parts, peers, ratios, steps, train, uptrain
 
 SUBCOMMANDS = {"attention": attention, "ratios": ratios, "parts": parts, "train": train, "steps": steps,
-               "uptrain": uptrain, "peers": peers}
+               "uptrain": uptrain, "peers": peers, "generate": generate}
 
 
 def main(argv=None):

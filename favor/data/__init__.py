@@ -26,6 +26,7 @@ REGISTRY = Registry("dataset", {
     "imagenet": "favor.data.imagenet:ImageNet",        # TFDS imagenet2012 (manual download)
     "speech": "favor.data.speech:Speech",              # TFDS librispeech or the espeak corpus
     "listops": "favor.data.listops:Listops",           # ListOps by LRA's rules (favor_listops)
+    "mqar": "favor.data.mqar:Mqar",                    # multi-query associative recall (Zoology's construction)
 })
 
 names, get, check = REGISTRY.names, REGISTRY.from_block, REGISTRY.check_block

@@ -1,11 +1,19 @@
-"""Import Hugging Face BERT and ViT checkpoints (config.json + safetensors) into favor models.
+"""Import Hugging Face BERT, ViT, GPT-2 and Llama checkpoints (config.json + safetensors) into favor models.
 
     model = favor.models.hf.load("path/to/bert-base-uncased", attention={"kind": "favor++"})
 
 The architecture in config.json picks the favor model and head: BertModel (no head),
 BertForMaskedLM ("mlm"), BertForSequenceClassification ("classification", or "regression" for one
-label / problem_type "regression"), ViTModel (no head), ViTForImageClassification. `overrides` go
-on top, e.g. the attention kind to uptrain with, dropout, or a new head for fine-tuning.
+label / problem_type "regression"), ViTModel (no head), ViTForImageClassification; GPT2LMHeadModel /
+GPT2Model and LlamaForCausalLM / LlamaModel become the decoder in its GPT-2 or Llama layout (a base
+model without an LM head gets a fresh, untied one, or the tied embeddings). `overrides` go on top, e.g.
+the attention kind to uptrain with, dropout, or a new head for fine-tuning.
+
+Two decoder checkpoints need a rewrite that changes no output: GPT-2's fused c_attn is split into the
+query, key and value projections, and Llama's grouped-query attention (num_key_value_heads < heads) has
+each key/value head's projection repeated for the query heads that share it, as the model computes it.
+Llama variants whose computation differs from favor's decoder (rope_scaling, biases, another activation)
+are refused by name.
 
 Every checkpoint tensor must land on a favor parameter of the same shape, and every favor parameter
 must come from the checkpoint; both kinds of mismatch are errors that name the tensors. The one
@@ -29,7 +37,8 @@ from favor.models.layers import is_qk_norm_param
 
 BERT_ARCHS = {"BertModel": "none", "BertForMaskedLM": "mlm", "BertForSequenceClassification": "classification"}
 VIT_ARCHS = {"ViTModel": False, "ViTForImageClassification": True}
-HEAD_PARAMS = ("mlm_", "classifier", "head")   # favor parameter paths a fine-tuning head may add
+DECODER_ARCHS = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama", "LlamaModel": "llama"}
+HEAD_PARAMS = ("mlm_", "classifier", "head", "lm_head")   # favor parameter paths a fine-tuning head may add
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -109,6 +118,108 @@ def vit_names(num_layers):
     return n
 
 
+def gpt2_names(num_layers):
+    """GPT-2's Conv1D weights are stored [in, out], as favor's kernels: no transpose. c_attn arrives split
+    (`_split_gpt2_qkv`)."""
+    n = {"wte.weight": ("token_embeddings.embedding", None), "wpe.weight": ("position_embeddings.embedding", None),
+         "lm_head.weight": ("token_embeddings.embedding", "tied")}
+    conv = lambda hf, favor: n.update({f"{hf}.weight": (f"{favor}.kernel", None), f"{hf}.bias": (f"{favor}.bias", None)})
+    for i in range(num_layers):
+        h, f = f"h.{i}", f"layers.{i}"
+        _norm(n, f"{h}.ln_1", f"{f}.attention_norm")
+        for p in ("query", "key", "value"):
+            conv(f"{h}.attn.{p}", f"{f}.attention.{p}")
+        conv(f"{h}.attn.c_proj", f"{f}.attention.out")
+        _norm(n, f"{h}.ln_2", f"{f}.mlp_norm")
+        conv(f"{h}.mlp.c_fc", f"{f}.mlp.intermediate")
+        conv(f"{h}.mlp.c_proj", f"{f}.mlp.output")
+    _norm(n, "ln_f", "final_norm")
+    return n
+
+
+def llama_names(num_layers, tied):
+    n = {"embed_tokens.weight": ("token_embeddings.embedding", None), "norm.weight": ("final_norm.scale", None),
+         "lm_head.weight": ("token_embeddings.embedding", "tied") if tied else ("lm_head.kernel", "T")}
+    for i in range(num_layers):
+        h, f = f"layers.{i}", f"layers.{i}"
+        n[f"{h}.input_layernorm.weight"] = (f"{f}.attention_norm.scale", None)
+        n[f"{h}.post_attention_layernorm.weight"] = (f"{f}.mlp_norm.scale", None)
+        for hp, fp in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("o_proj", "out")):
+            n[f"{h}.self_attn.{hp}.weight"] = (f"{f}.attention.{fp}.kernel", "T")
+        for p in ("gate", "up", "down"):
+            n[f"{h}.mlp.{p}_proj.weight"] = (f"{f}.mlp.{p}.kernel", "T")
+    return n
+
+
+def _split_gpt2_qkv(tensors, hidden):
+    out = {}
+    for k, v in tensors.items():
+        if ".attn.c_attn." in k:
+            for part, piece in zip(("query", "key", "value"), np.split(np.asarray(v), 3, axis=-1)):
+                out[k.replace("c_attn", part)] = piece
+        elif not (k.endswith((".attn.bias", ".attn.masked_bias")) and np.ndim(v) == 4):   # old causal-mask buffers
+            out[k] = v
+    return out
+
+
+def _repeat_kv_heads(tensors, heads, kv_heads, head_dim):
+    """Grouped-query attention as full multi-head attention: query head j reads key/value head
+    j // (heads / kv_heads), so each k_proj/v_proj head's rows are repeated that many times."""
+    if kv_heads == heads:
+        return tensors
+    group = heads // kv_heads
+    out = dict(tensors)
+    for k, v in tensors.items():
+        if k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            v = np.asarray(v)
+            out[k] = np.repeat(v.reshape(kv_heads, head_dim, v.shape[-1]), group, axis=0).reshape(heads * head_dim, -1)
+    return out
+
+
+def _gpt2_config(cfg, tensors, arch):
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"GPT-2 activation_function {act!r} is not supported; favor's GPT-2 layout uses "
+                         f"'gelu_new' (the tanh approximation)")
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("add_cross_attention", False)):
+        if cfg.get(key, ok) != ok:
+            raise ValueError(f"GPT-2 {key}={cfg[key]!r} is not supported; favor's decoder needs {key}={ok}")
+    h = cfg["n_embd"]
+    return dict(vocab_size=cfg["vocab_size"], hidden=h, num_layers=cfg["n_layer"], heads=cfg["n_head"],
+                mlp_dim=cfg.get("n_inner") or 4 * h, max_positions=cfg["n_positions"], norm="layer", mlp="gelu",
+                positions="learned", tie_embeddings=True, use_bias=True, norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+                dropout=cfg.get("resid_pdrop", 0.1), attention_dropout=0.0)
+
+
+def _rope_base(cfg):
+    rope = cfg.get("rope_parameters") or {}
+    kind = rope.get("rope_type", "default")
+    if cfg.get("rope_scaling") or kind != "default":
+        raise ValueError(f"Llama rope scaling {cfg.get('rope_scaling') or kind!r} is not supported; favor's rotary "
+                         f"positions are the default (unscaled) ones")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _llama_config(cfg, tensors, arch):
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama hidden_act {cfg['hidden_act']!r} is not supported; favor's SwiGLU uses 'silu'")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"Llama {key}=True is not supported; favor's Llama layout has no biases")
+    heads, h = cfg["num_attention_heads"], cfg["hidden_size"]
+    if cfg.get("head_dim", h // heads) * heads != h:
+        raise ValueError(f"Llama head_dim {cfg['head_dim']} × {heads} heads ≠ hidden_size {h}: not supported")
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise ValueError(f"Llama num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    return dict(vocab_size=cfg["vocab_size"], hidden=h, num_layers=cfg["num_hidden_layers"], heads=heads,
+                mlp_dim=cfg["intermediate_size"], max_positions=cfg["max_position_embeddings"], norm="rms",
+                mlp="swiglu", positions="rotary", rotary_base=_rope_base(cfg),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), use_bias=False,
+                norm_eps=cfg.get("rms_norm_eps", 1e-6), dropout=0.0, attention_dropout=0.0)
+
+
 def _num_labels(cfg):
     """config.json keeps the label count as id2label (transformers ≥ 5) or num_labels (older)."""
     return cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
@@ -173,17 +284,31 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
     cfg = json.loads(cfg_file.read_text())
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in BERT_ARCHS or a in VIT_ARCHS), None)
+    arch = next((a for a in archs if a in BERT_ARCHS or a in VIT_ARCHS or a in DECODER_ARCHS), None)
     if arch is None:
         raise ValueError(f"{path}: architectures {archs} has none favor imports; "
-                         f"valid: {', '.join([*BERT_ARCHS, *VIT_ARCHS])}")
+                         f"valid: {', '.join([*BERT_ARCHS, *VIT_ARCHS, *DECODER_ARCHS])}")
     tensors = read_tensors(path)
-    family = "bert" if arch in BERT_ARCHS else "vit"
-    tensors = _strip(tensors, family + ".")     # BertFor*/ViTFor* nest the encoder under bert./vit.
-    base = _bert_config(cfg, tensors, arch) if family == "bert" else _vit_config(cfg, tensors, arch)
-    model = zoo.get(family, "base", rngs=rngs, **{**base, **overrides})
+    if arch in DECODER_ARCHS:
+        family, layout = "decoder", DECODER_ARCHS[arch]
+        # GPT2LMHeadModel nests the body under transformer., LlamaForCausalLM under model.
+        tensors = _strip(tensors, "transformer." if layout == "gpt2" else "model.")
+        base = (_gpt2_config if layout == "gpt2" else _llama_config)(cfg, tensors, arch)
+        if layout == "gpt2":
+            tensors = _split_gpt2_qkv(tensors, base["hidden"])
+        else:
+            tensors = _repeat_kv_heads(tensors, base["heads"], cfg.get("num_key_value_heads") or base["heads"],
+                                       base["hidden"] // base["heads"])
+    else:
+        family = "bert" if arch in BERT_ARCHS else "vit"
+        tensors = _strip(tensors, family + ".")     # BertFor*/ViTFor* nest the encoder under bert./vit.
+        base = _bert_config(cfg, tensors, arch) if family == "bert" else _vit_config(cfg, tensors, arch)
+    model = zoo.get(family, "small" if family == "decoder" else "base", rngs=rngs, **{**base, **overrides})
     layers = model.config["num_layers"]
-    names = bert_names(layers) if family == "bert" else vit_names(layers)
+    if family == "decoder":
+        names = gpt2_names(layers) if layout == "gpt2" else llama_names(layers, model.config["tie_embeddings"])
+    else:
+        names = bert_names(layers) if family == "bert" else vit_names(layers)
     params = _params_by_path(model)
 
     unknown = sorted(k for k in tensors if k not in names and not k.endswith("position_ids"))
@@ -194,11 +319,11 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
         if hf_name.endswith("position_ids"):       # a buffer (0..L-1), not a weight
             continue
         target, how = names[hf_name]
-        if how == "tied":                           # the MLM decoder is the word embedding, transposed
-            emb = tensors.get("embeddings.word_embeddings.weight")
+        if how == "tied":         # an output projection that is the token embedding (BERT's MLM decoder, GPT-2's)
+            emb = next((tensors[k] for k, (t, h) in names.items() if t == target and h is None and k in tensors), None)
             if emb is None or not np.array_equal(np.asarray(value), np.asarray(emb)):
-                raise ValueError(f"{path}: {hf_name} differs from the word embeddings; favor's MLM head "
-                                 f"is tied to them (untied decoders are not supported)")
+                raise ValueError(f"{path}: {hf_name} differs from the token embeddings; favor's output layer "
+                                 f"is tied to them here (untied output layers are not supported in this layout)")
             continue
         if target not in params:
             missing_target.append(f"{hf_name} -> {target}")
@@ -223,4 +348,4 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
     return model
 
 
-__all__ = ["load", "read_tensors", "bert_names", "vit_names"]
+__all__ = ["load", "read_tensors", "bert_names", "vit_names", "gpt2_names", "llama_names"]

@@ -37,6 +37,29 @@ def sample(logits, key, temperature: float, top_k: int):
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
+def decoding(model: Decoder, max_length: int, temperature: float = 0.0, top_k: int = 0, seed: int = 0):
+    """The two jitted programs of generation:
+        prefill(prompt [B, P]) -> (next token [B], its logits [B, V], caches)
+        step(token [B], position, caches) -> (next token, its logits, caches)
+    with caches for sequences of up to `max_length` tokens; the token at position t is drawn with the key
+    fold_in(seed, t + 1), so a sample does not depend on how it was split into calls."""
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(seed)
+
+    @jax.jit
+    def prefill(state, ids):
+        logits, caches = nnx.merge(graphdef, state).prefill(ids, max_length)
+        logits = logits[:, -1]
+        return sample(logits, jax.random.fold_in(key, ids.shape[1]), temperature, top_k), logits, caches
+
+    @jax.jit
+    def step(state, token, position, caches):
+        logits, caches = nnx.merge(graphdef, state).decode(token, position, caches)
+        return sample(logits, jax.random.fold_in(key, position + 1), temperature, top_k), logits, caches
+
+    return (lambda ids: prefill(state, ids)), (lambda token, position, caches: step(state, token, position, caches))
+
+
 def generate(model: Decoder, prompt, max_tokens: int, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
              stop_id: int | None = None, return_logits: bool = False):
     """prompt [B, P] token ids (P ≥ 1) -> [B, P + n] with n ≤ max_tokens new tokens (fewer when every row
@@ -53,23 +76,10 @@ def generate(model: Decoder, prompt, max_tokens: int, temperature: float = 0.0, 
     if max_length > model.config["max_positions"]:
         raise ValueError(f"generate: {p} prompt tokens + {max_tokens} new ones exceed the model's max_positions "
                          f"{model.config['max_positions']}")
-    graphdef, state = nnx.split(model)
-    key = jax.random.key(seed)
-
-    @jax.jit
-    def prefill(state, ids):
-        logits, caches = nnx.merge(graphdef, state).prefill(ids, max_length)
-        logits = logits[:, -1]
-        return sample(logits, jax.random.fold_in(key, p), temperature, top_k), logits, caches
-
-    @jax.jit
-    def step(state, token, position, caches):
-        logits, caches = nnx.merge(graphdef, state).decode(token, position, caches)
-        return sample(logits, jax.random.fold_in(key, position + 1), temperature, top_k), logits, caches
-
+    prefill, step = decoding(model, max_length, temperature, top_k, seed)
     out, scores = [prompt], []
     if max_tokens:
-        token, logits, caches = prefill(state, jnp.asarray(prompt))
+        token, logits, caches = prefill(jnp.asarray(prompt))
     done = np.zeros(prompt.shape[0], bool)
     for position in range(p, max_length):
         tok = np.asarray(token)
@@ -80,7 +90,7 @@ def generate(model: Decoder, prompt, max_tokens: int, temperature: float = 0.0, 
             if done.all():
                 break
         if position + 1 < max_length:
-            token, logits, caches = step(state, token, jnp.asarray(position, jnp.int32), caches)
+            token, logits, caches = step(token, jnp.asarray(position, jnp.int32), caches)
     ids = np.concatenate(out, axis=1)
     if not return_logits:
         return ids

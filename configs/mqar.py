@@ -1,0 +1,53 @@
+"""Multi-query associative recall (favor.data.mqar, Zoology's construction) with a decoder of any kind.
+
+    python train.py --config configs/mqar.py --workdir runs/mqar                          # softmax
+    python train.py --config configs/mqar.py:kind=favor+,num_features=64 --workdir ...    # a state size
+    python train.py --config configs/mqar.py:kind=favor+,window=8 ...                     # + a softmax band
+
+The model is Zoology's small one: a 2-layer decoder, 64 wide (d_model 64), 2 heads, no dropout; the task
+its MQAR at seq_len 64 with `pairs` key-value pairs (default 8) over a 2048-token vocabulary (Zoology
+uses 8192; the smaller one trains faster here and keeps keys and values distinct and unseen
+together across examples). AdamW at 1e-3, cosine, `steps` steps of batch 64. Accuracy is the fraction
+of queried values predicted exactly.
+
+State size: softmax keeps every key (its state grows with the sequence); a linear kind keeps its feature
+sums, 2 layers × heads × F × (head dim + 1) numbers whatever the length, so `num_features` sets it;
+`window` adds the last w + 1 keys exactly.
+
+Args: kind, num_features, window, pairs, seq_len, vocab, steps, runlocal.
+"""
+
+from favor import configlib
+
+
+def _args(arg):
+    return configlib.parse_arg(arg, kind="softmax", num_features=64, window=0, pairs=8, seq_len=64, vocab=2048,
+                               steps=3000, runlocal=False)
+
+
+def get_config(arg=None):
+    args = _args(arg)
+    for name in ("num_features", "pairs", "seq_len", "vocab", "steps"):
+        if int(args[name]) < 1:
+            raise ValueError(f"{name}={args[name]}: expected a positive integer")
+    if int(args.window) < 0:
+        raise ValueError(f"window={args.window}: expected 0 (none) or a positive number of tokens")
+    steps = int(args.steps)
+    c = configlib.run_config(total_steps=steps, batch_size=64, eval_batch_size=256, every=max(steps // 4, 1),
+                             keep_checkpoints=1)
+    c.data = {"name": "mqar", "vocab_size": int(args.vocab), "seq_len": int(args.seq_len),
+              "num_pairs": int(args.pairs), "power_a": 0.01, "random_non_queries": True, "num_train": 100_000,
+              "num_eval": 1_000}
+    c.task = {"name": "causal_lm"}
+    c.model = {"name": "decoder", "preset": "tiny", "vocab_size": int(args.vocab), "hidden": 64, "num_layers": 2,
+               "heads": 2, "mlp_dim": 256, "max_positions": int(args.seq_len), "init_from": "",
+               "attention": configlib.attention(args.kind, num_features=int(args.num_features),
+                                                window=int(args.window))}
+    c.optim = configlib.optim(lr=1e-3, schedule="cosine", warmup_steps=min(200, steps // 10), weight_decay=0.1)
+    if args.runlocal:
+        c.data.update(vocab_size=128, seq_len=32, num_pairs=4, num_train=512, num_eval=64)
+        c.model.update(vocab_size=128, hidden=32, mlp_dim=64, max_positions=32)
+        c.model.attention.num_features = 16
+        c.total_steps, c.batch_size, c.eval_batch_size = 30, 16, 32
+        c.checkpoint_every, c.eval_every, c.log_every = 30, 30, 10
+    return c
