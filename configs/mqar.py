@@ -5,10 +5,11 @@
     python train.py --config configs/mqar.py:kind=favor+,window=8 ...                     # + a softmax band
 
 The model is Zoology's small one: a 2-layer decoder, 64 wide (d_model 64), 2 heads, no dropout; the task
-its MQAR at seq_len 64 with `pairs` key-value pairs (default 8) over a 2048-token vocabulary (Zoology
-uses 8192; the smaller one trains faster here and keeps keys and values distinct and unseen
-together across examples). AdamW at 1e-3, cosine, `steps` steps of batch 64. Accuracy is the fraction
-of queried values predicted exactly.
+its MQAR at seq_len 64 with `pairs` key-value pairs (default 8) over a 256-token vocabulary. Zoology
+uses 8192 and trains for 64 epochs of 100k examples; a CPU affords ~1500 steps of batch 64, in which
+softmax learns the 256-token task (measured: 91 % recall at 4 pairs and 59 % at 8 after 750 steps)
+and does not leave chance with 2048 tokens (2 % after 600 steps). AdamW at 3e-3, cosine, `steps`
+steps of batch 64. Accuracy is the fraction of queried values predicted exactly.
 
 State size: softmax keeps every key (its state grows with the sequence); a linear kind keeps its feature
 sums, 2 layers × heads × F × (head dim + 1) numbers whatever the length, so `num_features` sets it;
@@ -21,8 +22,8 @@ from favor import configlib
 
 
 def _args(arg):
-    return configlib.parse_arg(arg, kind="softmax", num_features=64, window=0, pairs=8, seq_len=64, vocab=2048,
-                               steps=3000, runlocal=False)
+    return configlib.parse_arg(arg, kind="softmax", num_features=64, window=0, pairs=8, seq_len=64, vocab=256,
+                               steps=1500, runlocal=False)
 
 
 def get_config(arg=None):
@@ -43,7 +44,7 @@ def get_config(arg=None):
                "heads": 2, "mlp_dim": 256, "max_positions": int(args.seq_len), "init_from": "",
                "attention": configlib.attention(args.kind, num_features=int(args.num_features),
                                                 window=int(args.window))}
-    c.optim = configlib.optim(lr=1e-3, schedule="cosine", warmup_steps=min(200, steps // 10), weight_decay=0.1)
+    c.optim = configlib.optim(lr=3e-3, schedule="cosine", warmup_steps=min(200, steps // 10), weight_decay=0.1)
     if args.runlocal:
         c.data.update(vocab_size=128, seq_len=32, num_pairs=4, num_train=512, num_eval=64)
         c.model.update(vocab_size=128, hidden=32, mlp_dim=64, max_positions=32)

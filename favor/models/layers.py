@@ -195,11 +195,14 @@ class SelfAttention(nnx.Module):
             self.sow(nnx.Intermediate, "transfer", (x, mask, positions, result))
         return result
 
-
     # -- incremental decoding (causal layers) ----------------------------------------------------------
+    def _draw_and_stats(self):
+        """The stored ω and the running fit statistics (None where the layer has none)."""
+        return (None if self.features is None else self.features.get_value(),
+                None if self.fit_stats is None else self.fit_stats.get_value())
+
     def _decode_context(self):
-        draw = None if self.features is None else self.features.get_value()
-        stats = None if self.fit_stats is None else self.fit_stats.get_value()
+        draw, stats = self._draw_and_stats()
         return self.kind.decode_context(self.head_dim, draw=draw, stats=stats)
 
     def prefill(self, x, max_length: int):
@@ -212,8 +215,7 @@ class SelfAttention(nnx.Module):
         if p > max_length:
             raise ValueError(f"a prompt of {p} tokens does not fit a cache of max_length {max_length}")
         q, k, v = self.project(x)
-        draw = None if self.features is None else self.features.get_value()
-        stats = None if self.fit_stats is None else self.fit_stats.get_value()
+        draw, stats = self._draw_and_stats()
         out = self.kind(q, k, v, causal=True, draw=draw, stats=stats)
         out = self.out(out.reshape(b, p, self.heads * self.head_dim).astype(x.dtype))
         if isinstance(self.kind, Softmax):
