@@ -80,6 +80,19 @@ def hf_reference(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def docstrings_cache(tmp_path_factory):
+    """The real docstring corpus (favor_docstrings), built once per module into a temporary cache that
+    FAVOR_DATA_DIR points at while the module runs."""
+    from favor.data import local
+    path = tmp_path_factory.mktemp("favor_data")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FAVOR_DATA_DIR", str(path))
+    local.prepare("docstrings")
+    yield path
+    mp.undo()
+
+
 def xla_flags(*flags):
     """The environment's XLA_FLAGS (the suite's, above) with `flags` added: for subprocesses."""
     return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from favor import attention, job, models
-from favor.data import local, text
+from favor.data import text
 from favor.tools import generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,14 +137,8 @@ def test_sampling_keeps_to_the_top_k_and_greedy_is_the_argmax():
 
 # -- data, task and a local run ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """The real docstring corpus, built once into a temporary cache (FAVOR_DATA_DIR)."""
-    path = tmp_path_factory.mktemp("favor_data")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FAVOR_DATA_DIR", str(path))
-    local.prepare("docstrings")
-    yield path
-    mp.undo()
+def cache(docstrings_cache):
+    return docstrings_cache
 
 
 def test_causal_rows_predict_the_next_token_of_the_stream(cache):

@@ -147,3 +147,8 @@ def test_decoder_checkpoints_favor_cannot_compute_are_refused_by_name(hf_referen
               str(gpt2 / "model.safetensors"))
     with pytest.raises(ValueError, match="lm_head.weight differs from the token embeddings"):
         models.hf.load(gpt2)
+    # old GPT-2 files carry causal-mask buffers (a [1, 1, P, P] bias and a scalar masked_bias): not weights
+    buffers = {"transformer.h.0.attn.bias": np.tril(np.ones((1, 1, 40, 40), np.float32)),
+               "transformer.h.0.attn.masked_bias": np.asarray(-1e4, np.float32)}
+    save_file(dict(tensors, **buffers), str(gpt2 / "model.safetensors"))
+    models.hf.load(gpt2)

@@ -19,14 +19,8 @@ from configs import bert_pretrain  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """The real docstring corpus, built once into a temporary cache (FAVOR_DATA_DIR)."""
-    path = tmp_path_factory.mktemp("favor_data")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FAVOR_DATA_DIR", str(path))
-    local.prepare("docstrings")
-    yield path
-    mp.undo()
+def cache(docstrings_cache):
+    return docstrings_cache
 
 
 @pytest.fixture(scope="module")

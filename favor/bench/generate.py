@@ -109,18 +109,28 @@ def plot(results, path):
     import matplotlib.pyplot as plt
     lengths = sorted(results)
     kinds = list(results[lengths[0]])
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for k in kinds:
-        axes[0].plot(lengths, [results[n][k]["tokens_per_s"] for n in lengths], marker="o", label=k)
-        axes[1].plot(lengths, [results[n][k]["state_bytes"] / 2**20 for n in lengths], marker="o", label=k)
+    markers = "osD^vx*"
+    for i, k in enumerate(kinds):
+        style = dict(marker=markers[i % len(markers)], label=k, alpha=0.85)
+        axes[0].plot(lengths, [results[n][k]["tokens_per_s"] for n in lengths], **style)
+        # kinds of one feature width carry the same state: their lines coincide, the markers tell them apart
+        axes[1].plot(lengths, [results[n][k]["state_bytes"] / 2**20 for n in lengths], **style)
     axes[0].set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="tokens / s (batch 1)",
                 title="decoding speed after the prompt")
     axes[1].set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="MiB",
                 title="state carried per sequence")
     for ax in axes:
         ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
+    speeds = [results[n][k]["tokens_per_s"] for n in lengths for k in kinds]
+    axes[0].set_yticks([t for t in 2.0 ** np.arange(-4, 20) if min(speeds) / 2 <= t <= max(speeds) * 2])
     axes[0].legend()
+    axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -157,7 +157,7 @@ def _split_gpt2_qkv(tensors, hidden):
         if ".attn.c_attn." in k:
             for part, piece in zip(("query", "key", "value"), np.split(np.asarray(v), 3, axis=-1)):
                 out[k.replace("c_attn", part)] = piece
-        elif not (k.endswith((".attn.bias", ".attn.masked_bias")) and np.ndim(v) == 4):   # old causal-mask buffers
+        elif not k.endswith((".attn.bias", ".attn.masked_bias")):   # old checkpoints' causal-mask buffers
             out[k] = v
     return out
 

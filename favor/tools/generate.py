@@ -42,7 +42,7 @@ def decoding(model: Decoder, max_length: int, temperature: float = 0.0, top_k: i
         prefill(prompt [B, P]) -> (next token [B], its logits [B, V], caches)
         step(token [B], position, caches) -> (next token, its logits, caches)
     with caches for sequences of up to `max_length` tokens; the token at position t is drawn with the key
-    fold_in(seed, t + 1), so a sample does not depend on how it was split into calls."""
+    fold_in(seed, t), so a sample does not depend on how it was split into calls."""
     graphdef, state = nnx.split(model)
     key = jax.random.key(seed)
 
