@@ -18,16 +18,22 @@ few steps (the tests).
 Causal data-dependent kinds (favor++, favor#, hrf with lambda_=cluster) fit their features to running
 statistics each layer keeps (never to the sequence, which would read the future).
 
-Args: data=tfds|local, runlocal, kind=<attention kind>, window=<band of exact softmax, 0 = none>.
+init=<dir>: start from a Hugging Face GPT-2 or Llama directory (config.json + safetensors, and its
+tokenizer.json when there is one): the model takes the checkpoint's sizes and layout
+(favor.models.hf.decoder_config), `model.init_from=hf:<dir>`, and the data its tokenizer.
+
+Args: data=tfds|local, runlocal, kind=<attention kind>, window=<band of exact softmax, 0 = none>, init=<dir>.
 """
+
+from pathlib import Path
 
 import ml_collections
 
-from favor import configlib
+from favor import configlib, models
 
 
 def get_config(arg=None):
-    args = configlib.parse_arg(arg, data="tfds", kind="favor+", window=0, runlocal=False)
+    args = configlib.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", runlocal=False)
     data = configlib.choice("data", args.data, ("tfds", "local"))
 
     c = configlib.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5_000,
@@ -65,4 +71,10 @@ def get_config(arg=None):
         c.total_steps, c.batch_size, c.eval_batch_size = 40, 16, 32
         c.checkpoint_every, c.eval_every, c.log_every = 20, 40, 5
         c.optim.update(lr=3e-3, warmup_steps=4)
+    if args.init:
+        c.model.update(models.hf.decoder_config(args.init))
+        c.model.init_from = f"hf:{args.init}"
+        if (Path(args.init) / "tokenizer.json").exists():
+            c.data.tokenizer = f"hf:{args.init}"
+        c.data.max_length = min(int(c.data.max_length), int(c.model.max_positions))
     return c

@@ -30,7 +30,8 @@ from favor.attention import schedule
 from favor.data import atomic
 from favor.train import optim, stage as stage_lib
 from favor.train.loop import StageRun, Summary, train_loop
-from favor.train.steps import eval_step, evaluate, evaluate_stage, init_state, stage_step, train_step, with_features
+from favor.train.steps import (eval_step, evaluate, evaluate_stage, init_state, loss_fn, stage_step, train_step,
+                               with_features)
 
 log = logging.getLogger("favor.train")
 
@@ -308,12 +309,36 @@ def run(config, workdir) -> Summary:
     layout = make_layout(model, mesh, config.sharding_rules, source)
     step_fn = make_train_step(config, model, task, layout)
     ckpt, state, start = restore_or_init(config, workdir, model, layout)
+    if ckpt.restored_meta is None and config.model.get("init_from"):
+        state = calibrate_statistics(config, model, task, source, layout, state)
     t_start -= float((ckpt.restored_meta or {}).get("wall_seconds", 0.0))   # a resumed run's clock goes on
     evaluate_fn = make_evaluate(config, model, task, source, layout)
     return train_loop(config, workdir, state, start, step_fn=step_fn, evaluate_fn=evaluate_fn, ckpt=ckpt,
                       source=source, layout=layout, t_start=t_start,
                       stages=make_stage_runs(config, model, task, source, layout),
                       eval_first=bool(config.model.get("init_from")))
+
+
+def _is_fit_statistics(path) -> bool:
+    return "fit_stats" in jax.tree_util.keystr(path)
+
+
+def calibrate_statistics(config, model: ModelPlan, task, source, layout: Layout, state):
+    """`state` with the running fit statistics of its causal data-dependent layers (FAVOR++, FAVOR#,
+    HRF-cluster) taken from the first training batch. For a run that starts from another model's
+    parameters: a softmax source keeps no statistics, and without them these kinds evaluate at day 0,
+    and take their first step, as their data-independent member. A training-mode pass on the batch gives
+    them (as BatchNorm's statistics are re-estimated); nothing else of the state changes."""
+    if not any(_is_fit_statistics(p) for p, _ in jax.tree_util.tree_flatten_with_path(state["rest"])[0]):
+        return state
+    batch = layout.global_batch(next(iter(source.train_batches(int(config.batch_size), 0, int(config.seed)))))
+
+    def fitted(params, rest, batch):
+        _, (_, new) = loss_fn(params, rest, batch, graphdef=model.graphdef, task=task)
+        return jax.tree_util.tree_map_with_path(lambda p, old, fit: fit if _is_fit_statistics(p) else old, rest, new)
+    rest = jax.jit(fitted, out_shardings=layout.state["rest"])(state["params"], state["rest"], batch)
+    log.info("fit statistics of the causal data-dependent layers: calibrated on the first training batch")
+    return dict(state, rest=rest)
 
 
 def with_tokenizer(config, workdir: Path):
@@ -338,4 +363,5 @@ def rebuild(config, workdir: Path):
     model = make_model(config, source)
     layout = make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
     state = warm_start(config, model, layout, initial_state(config, model, layout))
+    state = calibrate_statistics(config, model, task, source, layout, state)
     return config, source, task, model, layout, state

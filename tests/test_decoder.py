@@ -20,14 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from configs import decoder_lm  # noqa: E402
 
-# every kind, the data-dependent HRF, a window hybrid, and the GPT-2 layout (learned positions, LayerNorm,
-# GELU, biases, tied embeddings) under softmax and a linear kind
+# every kind, the data-dependent HRF, a window hybrid with qk_norm, and the GPT-2 layout (learned positions,
+# LayerNorm, GELU, biases, tied embeddings)
 SPECS = {**{k: ({"kind": k}, {}) for k in attention.names()},
          "hrf-cluster": ({"kind": "hrf", "lambda_": "cluster"}, {}),
-         "favor+@3": ({"kind": "favor+", "window": 3}, {}),
-         "favor#-l2": ({"kind": "favor#", "qk_norm": "l2"}, {}),
-         "gpt2-softmax": ({"kind": "softmax"}, {"norm": "layer", "mlp": "gelu", "positions": "learned",
-                                                "use_bias": True, "tie_embeddings": True}),
+         "favor#@3-l2": ({"kind": "favor#", "window": 3, "qk_norm": "l2"}, {}),
          "gpt2-favor+": ({"kind": "favor+"}, {"norm": "layer", "mlp": "gelu", "positions": "learned",
                                               "use_bias": True, "tie_embeddings": True})}
 VOCAB = 64
@@ -78,7 +75,7 @@ def test_greedy_generation_equals_the_argmax_of_repeated_causal_passes(spec):
     np.testing.assert_array_equal(out, ids)
 
 
-@pytest.mark.parametrize("spec", ["favor+", "relu", "favor#", "hrf", "favor+@3", "softmax"])
+@pytest.mark.parametrize("spec", ["favor+", "relu", "favor#", "hrf", "favor#@3-l2", "softmax"])
 def test_linear_kinds_decode_from_a_state_that_does_not_grow_with_the_prompt(spec):
     """The cache a prompt leaves has the same shapes at 4 and at 40 prompt tokens for linear kinds (the
     band's w + 1 keys included), so every generated token costs the same memory; softmax's holds every
@@ -155,21 +152,77 @@ def test_causal_rows_predict_the_next_token_of_the_stream(cache):
     assert np.array_equal(mask > 0, w > 0) and int(w.sum()) == len(stream) - 1
 
 
-def test_local_run_trains_and_generates(cache, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def softmax_run(cache, tmp_path_factory):
+    """configs/decoder_lm.py:runlocal with softmax attention, trained once: (workdir, summary)."""
+    workdir = tmp_path_factory.mktemp("lm") / "softmax"
+    config = decoder_lm.get_config("runlocal,kind=softmax")
+    return workdir, job.run(config, workdir)
+
+
+def test_local_run_trains_and_generates(softmax_run, capsys):
     """configs/decoder_lm.py:runlocal through job.run (the loss falls, perplexity reported), then
-    favor.tools.generate on the run: greedy output continues the prompt, deterministic; a non-decoder
-    run and an empty prompt are clear errors."""
-    config = decoder_lm.get_config("runlocal")
-    summary = job.run(config, tmp_path / "lm")
+    favor.tools.generate on the run: greedy output continues the prompt, deterministic; an empty prompt
+    is a clear error."""
+    workdir, summary = softmax_run
     losses = [loss for _, loss in summary["train_loss_history"]]
     assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.3
     assert summary["perplexity"] == pytest.approx(math.exp(summary["loss"]), rel=1e-6)
-    args = ["--workdir", str(tmp_path / "lm"), "--prompt", "Return the", "--max_tokens", "12", "--keep_going"]
+    args = ["--workdir", str(workdir), "--prompt", "Return the", "--max_tokens", "12", "--keep_going"]
     assert generate.main(args) == 0
     first = capsys.readouterr().out.strip()
     assert generate.main(args) == 0
     assert first.startswith("Return the") and capsys.readouterr().out.strip() == first
     assert generate.main(args + ["--temperature", "0.9", "--top_k", "20", "--seed", "1"]) == 0
     assert capsys.readouterr().out.startswith("Return the")
-    assert generate.main(["--workdir", str(tmp_path / "lm"), "--prompt", ""]) == 2
+    assert generate.main(["--workdir", str(workdir), "--prompt", ""]) == 2
     assert "encodes to no tokens" in capsys.readouterr().err
+
+
+def test_a_decoder_started_from_softmax_calibrates_its_running_statistics(softmax_run, tmp_path):
+    """A softmax source keeps no fit statistics: a causal FAVOR++ started from it takes them from its first
+    training batch (count > 0 in every layer), so its day-0 evaluation is FAVOR++'s and not the
+    data-independent FAVOR+ it would fall back to on empty statistics."""
+    from favor.bench import uptrain as bench_uptrain
+    day0 = {}
+    for kind in ("favor+", "favor++"):
+        config = decoder_lm.get_config("runlocal")
+        config.model.attention.kind, config.model.init_from = kind, f"run:{softmax_run[0]}"
+        state = job.rebuild(config, tmp_path / kind)[-1]
+        counts = [np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state["rest"])[0]
+                  if "fit_stats" in jax.tree_util.keystr(path) and "count" in jax.tree_util.keystr(path)]
+        assert (len(counts) == 1 and np.all(counts[0] > 0)) if kind == "favor++" else not counts
+        day0[kind] = bench_uptrain.day0(config, tmp_path / kind, [0])[0]["loss"]
+    assert day0["favor++"] != day0["favor+"]
+
+
+def test_a_hugging_face_tokenizer_json_packs_causal_text(cache, tmp_path):
+    """"hf:<dir>": a byte-level BPE tokenizer.json (GPT-2's kind, trained here on a few lines) encodes and
+    decodes text, ends documents with its end-of-text token, travels by save/get, feeds causal_text; and
+    masked-LM data refuses it (no [MASK])."""
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from favor.data import tokenizers as favor_tokenizers
+    bpe = Tokenizer(tok_models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    lines = ["Return the sum of the values.", "Open a file and return a stream.", "Raise an error if it fails."] * 20
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "gpt").mkdir()
+    bpe.save(str(tmp_path / "gpt" / "tokenizer.json"))
+    tok = favor_tokenizers.get(f"hf:{tmp_path / 'gpt'}")
+    assert tok.sep_id == tok.cls_id == tok.pad_id == bpe.token_to_id("<|endoftext|>") and tok.mask_id is None
+    ids = tok.ids(["Return the stream."])[0]
+    assert tok.decode(ids) == "Return the stream." and tok.sep_id not in ids
+    spec = tok.save(tmp_path / "saved")
+    again = favor_tokenizers.get(f"hf:{tmp_path / 'saved' / spec.partition(':')[2]}")
+    assert again.ids(["Return the stream."])[0] == ids
+    source = text.CausalText(dataset="local", train_split="train", eval_split="validation", tokenizer=f"hf:{tmp_path / 'gpt'}",
+                             max_length=32, max_documents=50, max_eval_rows=4)
+    stream = np.asarray(source.tokens["train"])
+    assert source.vocab_size == bpe.get_vocab_size() and np.sum(stream == tok.sep_id) == 50
+    with pytest.raises(ValueError, match="needs a tokenizer with a \\[MASK\\] token"):
+        text.MaskedText(dataset="local", train_split="train", eval_split="validation", tokenizer=f"hf:{tmp_path / 'gpt'}",
+                        max_length=32, max_documents=50)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json does not exist"):
+        favor_tokenizers.get(f"hf:{tmp_path}")

@@ -5,6 +5,8 @@ own (tests/hf_reference.py, the `hf_reference` fixture): these tests read its ch
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,8 @@ from safetensors.numpy import load_file, save_file
 
 from favor import models
 from hf_reference import inputs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOL = 1e-4
 
@@ -152,3 +156,32 @@ def test_decoder_checkpoints_favor_cannot_compute_are_refused_by_name(hf_referen
                "transformer.h.0.attn.masked_bias": np.asarray(-1e4, np.float32)}
     save_file(dict(tensors, **buffers), str(gpt2 / "model.safetensors"))
     models.hf.load(gpt2)
+
+
+def test_a_decoder_run_starts_from_a_hugging_face_llama(hf_reference, docstrings_cache, tmp_path):
+    """configs/decoder_lm.py:init=<dir> takes the checkpoint's sizes, layout and rotary base, its weights
+    (init_from=hf:) and its tokenizer.json, and trains; a run configured by hand with another rotary base
+    is refused, naming the flag (the weights would load and the model silently compute otherwise)."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+    from favor import job
+    sys.path.insert(0, str(ROOT))
+    from configs import decoder_lm
+    path = shutil.copytree(hf_reference / "LlamaForCausalLM", tmp_path / "llama")
+    words = Tokenizer(tok_models.WordLevel(unk_token="<unk>"))          # ≤ the checkpoint's 101 entries
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator(["return the value of the file in a list", "raise an error if the name is not found"] * 5,
+                              trainers.WordLevelTrainer(vocab_size=100, special_tokens=["<unk>", "</s>"]))
+    words.save(str(path / "tokenizer.json"))
+    config = decoder_lm.get_config(f"runlocal,kind=favor+,init={path}")
+    assert (config.model.rotary_base, config.model.heads, config.model.vocab_size) == (500.0, 4, 101)
+    assert config.data.tokenizer == f"hf:{path}" and config.model.init_from == f"hf:{path}"
+    state = job.rebuild(config, tmp_path / "rebuilt")[-1]
+    want = nnx.to_pure_dict(nnx.state(models.hf.load(path), nnx.Param))
+    got = nnx.to_pure_dict(state["params"])
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+    config.total_steps, config.eval_every, config.checkpoint_every = 4, 4, 4
+    summary = job.run(config, tmp_path / "run")
+    assert summary["step"] == 4 and np.isfinite(summary["loss"])
+    config.model.rotary_base = 10000.0
+    with pytest.raises(ValueError, match="set --config.model.rotary_base=500.0"):
+        job.rebuild(config, tmp_path / "other")

@@ -155,6 +155,9 @@ class MaskedText(PackedText):
         if not 0.0 < float(mask_rate) < 1.0:
             raise ValueError(f"text: mask_rate must be in (0, 1); got {mask_rate!r}")
         super().__init__(**options)
+        if self.tokenizer.mask_id is None:
+            raise ValueError(f"text: masked-LM data needs a tokenizer with a [MASK] token; "
+                             f"{options.get('tokenizer')!r} has none (use it with causal_text)")
         self.rate = float(mask_rate)
         self.max_predictions = math.ceil(self.rate * self.max_length) + 1
         tok = self.tokenizer

@@ -1,6 +1,7 @@
 """Tokenizers by spec string: "wordpiece:<vocab.txt>[:cased]" for Hugging Face BERT checkpoints
 (their WordPiece vocabulary through the `tokenizers` library, so text is split exactly as BERT's own
-tokenizer does) and "sentencepiece:<model>" for models trained here.
+tokenizer does), "hf:<dir>" for a Hugging Face checkpoint's tokenizer.json (GPT-2's byte-level BPE,
+Llama's: what a decoder imported from one reads) and "sentencepiece:<model>" for models trained here.
 
 Every tokenizer encodes single sentences and pairs as BERT does: [CLS] a [SEP] (b [SEP]), token type
 0 for the first segment and 1 for the second, truncated longest-first to `max_length`.
@@ -9,16 +10,18 @@ Every tokenizer encodes single sentences and pairs as BERT does: [CLS] a [SEP] (
 from __future__ import annotations
 
 import abc
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 from tokenizers import BertWordPieceTokenizer
+from tokenizers import Tokenizer as FastTokenizer
 
 from favor.data.atomic import copy_file, unique_tag
 
-KINDS = ("wordpiece", "sentencepiece")
+KINDS = ("wordpiece", "sentencepiece", "hf")
 
 
 class Tokenizer(abc.ABC):
@@ -79,6 +82,56 @@ class WordPiece(Tokenizer):
     def save(self, directory) -> str:
         copy_file(self.vocab_file, Path(directory) / "vocab.txt")
         return "wordpiece:vocab.txt" + ("" if self.lowercase else ":cased")
+
+
+def _special(config: dict, name: str):
+    """tokenizer_config.json's `name` token: a string, or a dict with its "content" (older files)."""
+    value = config.get(name)
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HuggingFace(Tokenizer):
+    """A Hugging Face tokenizer.json. Documents end with its end-of-text token (`sep_id`, which the packed
+    text streams put after each document); `cls_id` is its beginning-of-text token (the end-of-text one
+    where it has none, as GPT-2's), `pad_id` its pad token or else the end-of-text one. It has no [MASK]
+    (`mask_id` None): masked-LM data refuses it. The special tokens come from tokenizer_config.json, or
+    else from the names GPT-2 and Llama use."""
+
+    EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>")
+    BOS_NAMES = ("<s>", "<|begin_of_text|>")
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        path = self.directory / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist (save the Hugging Face tokenizer with save_pretrained: "
+                                    f"a fast tokenizer writes tokenizer.json)")
+        self.tok = FastTokenizer.from_file(str(path))
+        cfg_file = self.directory / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        find = lambda name, fallbacks: next((vocab[t] for t in [_special(cfg, name), *fallbacks] if t in vocab), None)
+        self.sep_id = find("eos_token", self.EOS_NAMES)
+        if self.sep_id is None:
+            raise ValueError(f"{self.directory}: no end-of-text token (tokenizer_config.json's eos_token, or one of "
+                             f"{', '.join(self.EOS_NAMES)})")
+        bos, pad = find("bos_token", self.BOS_NAMES), find("pad_token", ())
+        self.cls_id = self.sep_id if bos is None else bos
+        self.pad_id = self.sep_id if pad is None else pad
+        self.mask_id = None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def ids(self, texts):
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def save(self, directory) -> str:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (self.directory / name).exists():
+                copy_file(self.directory / name, Path(directory) / name)
+        return "hf:."
 
 
 class SentencePiece(Tokenizer):
@@ -152,8 +205,10 @@ def train_sentencepiece(texts, output, vocab_size: int, model_type: str = "unigr
 def get(spec: str) -> Tokenizer:
     kind, _, rest = str(spec).partition(":")
     if kind not in KINDS or not rest:
-        raise ValueError(f"unknown tokenizer {spec!r}; valid: 'wordpiece:<vocab.txt>[:cased]' or "
-                         f"'sentencepiece:<model file>'")
+        raise ValueError(f"unknown tokenizer {spec!r}; valid: 'wordpiece:<vocab.txt>[:cased]', "
+                         f"'sentencepiece:<model file>' or 'hf:<directory with tokenizer.json>'")
+    if kind == "hf":
+        return HuggingFace(rest)
     if kind == "wordpiece":
         path, _, case = rest.partition(":")
         return WordPiece(path, lowercase=case != "cased")

@@ -276,9 +276,8 @@ def _convert(value, how):
     return value
 
 
-def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
-    """Build the favor model matching a Hugging Face BERT/ViT directory and copy its weights in."""
-    path = Path(path)
+def _read_config(path: Path):
+    """(config.json as a dict, the architecture favor imports it as)."""
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
@@ -288,6 +287,23 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
     if arch is None:
         raise ValueError(f"{path}: architectures {archs} has none favor imports; "
                          f"valid: {', '.join([*BERT_ARCHS, *VIT_ARCHS, *DECODER_ARCHS])}")
+    return cfg, arch
+
+
+def decoder_config(path) -> dict:
+    """The decoder options (favor.models.presets keys) a Hugging Face GPT-2 or Llama directory's config.json
+    implies: what a run must be configured with to start from it (configs/decoder_lm.py's `init=`)."""
+    path = Path(path)
+    cfg, arch = _read_config(path)
+    if arch not in DECODER_ARCHS:
+        raise ValueError(f"{path}: {arch} is not a decoder; valid: {', '.join(DECODER_ARCHS)}")
+    return (_gpt2_config if DECODER_ARCHS[arch] == "gpt2" else _llama_config)(cfg, None, arch)
+
+
+def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
+    """Build the favor model matching a Hugging Face BERT/ViT/GPT-2/Llama directory and copy its weights in."""
+    path = Path(path)
+    cfg, arch = _read_config(path)
     tensors = read_tensors(path)
     if arch in DECODER_ARCHS:
         family, layout = "decoder", DECODER_ARCHS[arch]
@@ -348,4 +364,4 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
     return model
 
 
-__all__ = ["load", "read_tensors", "bert_names", "vit_names", "gpt2_names", "llama_names"]
+__all__ = ["load", "decoder_config", "read_tensors", "bert_names", "vit_names", "gpt2_names", "llama_names"]

@@ -3,7 +3,7 @@
     run:<workdir>          the newest whole checkpoint of a favor run (any attention kind)
     run:<workdir>@<step>   that step of it
     <dir>                  a favor checkpoint directory: <workdir>/checkpoints, or one step in it
-    hf:<dir>               a Hugging Face BERT/ViT directory (config.json + safetensors)
+    hf:<dir>               a Hugging Face BERT/ViT/GPT-2/Llama directory (config.json + safetensors)
 
 Parameters only: the optimizer starts fresh and the random features are drawn for the new kind (the
 model's own init draws them). The source run's config comes from its checkpoint metadata; a parameter
@@ -242,7 +242,26 @@ def _prune(tree):
     return tree
 
 
+# what a Hugging Face decoder's config.json fixes about the computation and a shape check cannot catch
+DECODER_KEYS = ("norm", "mlp", "positions", "rotary_base", "tie_embeddings", "use_bias", "norm_eps")
+
+
+def _check_decoder(config, origin: Origin):
+    """A decoder run from a Hugging Face decoder must compute as the checkpoint does: the same layout,
+    rotary base and norm epsilon (a different rotary base loads every weight and silently changes the
+    model). The error names the flags that fix it."""
+    want = models.hf.decoder_config(origin.path)
+    m = {k: v for k, v in config.model.to_dict().items() if k not in ("name", "preset", "init_from", "attention")}
+    have = models.config("decoder", config.model.get("preset", "tiny"), **m)
+    differ = [f"--config.model.{k}={want[k]}" for k in DECODER_KEYS if k in want and have[k] != want[k]]
+    if differ:
+        raise ValueError(f"model.init_from {origin.spec!r}: the run's decoder computes differently from the "
+                         f"checkpoint's; set {' '.join(differ)} (configs/decoder_lm.py:init=<dir> sets them all)")
+
+
 def _load_hf(config, origin: Origin, params, shardings):
+    if config.model.name == "decoder":
+        _check_decoder(config, origin)
     shared = ("head", "num_labels", "num_classes", "dropout", "attention_dropout", "dtype")
     keep = {k: v for k, v in config.model.to_dict().items() if k in shared}
     loaded = models.hf.load(origin.path, attention=attention_lib.block_options(config.model.attention), **keep)
