@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import configlib, data, job
+from favor import configlib, data, job, sweeps
 from favor.data import mqar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,3 +70,18 @@ def test_runlocal_trains_through_the_causal_lm_task(tmp_path):
     summary = job.run(config, tmp_path)
     assert summary["step"] == 30 and 0 <= summary["accuracy"] <= 1 and math.isfinite(summary["loss"])
     assert data.get(config.data).num_pairs == 4
+
+
+def test_sweep_is_recall_against_state_size_and_every_item_is_a_valid_run():
+    spec = str(ROOT / "configs/mqar.py")
+    runs = sweeps.load(spec)
+    # softmax, 3 random-feature kinds × 3 widths, ELU once, FAVOR+ with a band: 12 settings, 3 seeds, seed by seed
+    assert len(runs) == 36 and [r.overrides["seed"] for r in runs] == [s for s in range(3) for _ in range(12)]
+    for run in runs[:12]:
+        config = configlib.load(spec)
+        for key, value in run.overrides.items():
+            configlib.apply_flag(config, f"{key}={value}")
+        configlib.validate(config)
+    assert runs[11].name == "kind=favor+_num_features=64_window=8_seed=0"
+    with pytest.raises(ValueError, match=r"kinds: unknown 'favor\+\+\+'"):
+        sweeps.load(spec + ":kinds=favor+++")
