@@ -183,16 +183,20 @@ def test_a_decoder_started_from_softmax_calibrates_its_running_statistics(softma
     """A softmax source keeps no fit statistics: a causal FAVOR++ started from it takes them from its first
     training batch (count > 0 in every layer), so its day-0 evaluation is FAVOR++'s and not the
     data-independent FAVOR+ it would fall back to on empty statistics."""
-    from favor.bench import uptrain as bench_uptrain
+    from functools import partial
+    from favor.train import steps
     day0 = {}
     for kind in ("favor+", "favor++"):
         config = decoder_lm.get_config("runlocal")
         config.model.attention.kind, config.model.init_from = kind, f"run:{softmax_run[0]}"
-        state = job.rebuild(config, tmp_path / kind)[-1]
+        config, source, task, model, layout, state = job.rebuild(config, tmp_path / kind)
         counts = [np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state["rest"])[0]
                   if "fit_stats" in jax.tree_util.keystr(path) and "count" in jax.tree_util.keystr(path)]
         assert (len(counts) == 1 and np.all(counts[0] > 0)) if kind == "favor++" else not counts
-        day0[kind] = bench_uptrain.day0(config, tmp_path / kind, [0])[0]["loss"]
+        step_fn = jax.jit(partial(steps.eval_step, graphdef=model.graphdef, task=task))
+        batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
+        day0[kind] = steps.evaluate(state, batches, step_fn=step_fn,
+                                    finalize=task.finalize)["loss"]
     assert day0["favor++"] != day0["favor+"]
 
 
