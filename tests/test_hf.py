@@ -162,8 +162,8 @@ def test_a_decoder_run_starts_from_a_hugging_face_llama(hf_reference, docstrings
     """configs/decoder_lm.py:init=<dir> takes the checkpoint's sizes, layout and rotary base, its weights
     (init_from=hf:) and its tokenizer.json (a run rebuilt from it holds exactly the checkpoint's
     parameters; training from there is the warm-start loop every init_from shares); a run configured by
-    hand with another rotary base
-    is refused, naming the flag (the weights would load and the model silently compute otherwise)."""
+    hand with another rotary base is refused, naming the key and both values (the weights would load
+    and the model silently compute otherwise)."""
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
     from favor import job
     sys.path.insert(0, str(ROOT))
@@ -182,5 +182,5 @@ def test_a_decoder_run_starts_from_a_hugging_face_llama(hf_reference, docstrings
     got = nnx.to_pure_dict(state["params"])
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
     config.model.rotary_base = 10000.0
-    with pytest.raises(ValueError, match="set --config.model.rotary_base=500.0"):
+    with pytest.raises(ValueError, match=r"in rotary_base \(run 10000.0, checkpoint 500.0\)"):
         job.rebuild(config, tmp_path / "other")

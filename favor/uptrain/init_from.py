@@ -249,14 +249,15 @@ DECODER_KEYS = ("norm", "mlp", "positions", "rotary_base", "tie_embeddings", "us
 def _check_decoder(config, origin: Origin):
     """A decoder run from a Hugging Face decoder must compute as the checkpoint does: the same layout,
     rotary base and norm epsilon (a different rotary base loads every weight and silently changes the
-    model). The error names the flags that fix it."""
+    model). The error names each key that differs, with both values."""
     want = models.hf.decoder_config(origin.path)
     m = {k: v for k, v in config.model.to_dict().items() if k not in ("name", "preset", "init_from", "attention")}
     have = models.config("decoder", config.model.get("preset", "tiny"), **m)
-    differ = [f"--config.model.{k}={want[k]}" for k in DECODER_KEYS if k in want and have[k] != want[k]]
+    differ = [f"{k} (run {have[k]!r}, checkpoint {want[k]!r})" for k in DECODER_KEYS if k in want and have[k] != want[k]]
     if differ:
         raise ValueError(f"model.init_from {origin.spec!r}: the run's decoder computes differently from the "
-                         f"checkpoint's; set {' '.join(differ)} (configs/decoder_lm.py:init=<dir> sets them all)")
+                         f"checkpoint's in {', '.join(differ)}; set config.model's keys to the checkpoint's "
+                         f"(configs/decoder_lm.py:init=<dir> takes them all from it)")
 
 
 def _load_hf(config, origin: Origin, params, shardings):
