@@ -211,8 +211,8 @@ class FeatureAttention(Attention, abc.ABC):
         decode_init then decode_step token by token would leave it, computed at once: a prompt's prefill."""
         if k.shape[1] == 0:
             return self.decode_init(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
-        _, (lk, sk) = self.log_maps(k, k, ctx)
         _, y = self.inputs(k, k)
+        lk, sk = self.key_map(ctx, y)            # keys only: a prompt's queries are the causal pass's
         return linear.decode_prefill(lk, sk, _to_bhld(v), valid, None if self.positive else k.shape[-1], y)
 
     def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
@@ -466,8 +466,8 @@ class RandomFeatureAttention(FeatureAttention):
     def decode_prefill(self, k, v, ctx=None, valid=None):
         if not self.window or k.shape[1] == 0:
             return super().decode_prefill(k, v, ctx, valid)
-        _, (lk, sk) = self.log_maps(k, k, ctx)
         _, y = self.scaled(k, k)
+        lk, sk = self.key_map(ctx, y)
         return window_lib.decode_prefill(lk, sk, y, _to_bhld(v), self.window, valid, signed=not self.positive)
 
     def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):

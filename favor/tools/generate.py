@@ -77,24 +77,27 @@ def generate(model: Decoder, prompt, max_tokens: int, temperature: float = 0.0, 
         raise ValueError(f"generate: {p} prompt tokens + {max_tokens} new ones exceed the model's max_positions "
                          f"{model.config['max_positions']}")
     prefill, step = decoding(model, max_length, temperature, top_k, seed)
-    out, scores = [prompt], []
+    # tokens and logits stay on the device until the end: the host waits on a step only when it must
+    # look at its token (to stop at `stop_id`)
+    out, scores = [], []
     if max_tokens:
         token, logits, caches = prefill(jnp.asarray(prompt))
     done = np.zeros(prompt.shape[0], bool)
     for position in range(p, max_length):
-        tok = np.asarray(token)
-        out.append(tok[:, None])
-        scores.append(np.asarray(logits)[:, None])
+        out.append(token)
+        if return_logits:
+            scores.append(logits)
         if stop_id is not None:
-            done |= tok == stop_id
+            done |= np.asarray(token) == stop_id
             if done.all():
                 break
         if position + 1 < max_length:
             token, logits, caches = step(token, jnp.asarray(position, jnp.int32), caches)
-    ids = np.concatenate(out, axis=1)
+    ids = np.concatenate([prompt, *(np.asarray(t)[:, None] for t in out)], axis=1)
     if not return_logits:
         return ids
-    return ids, (np.concatenate(scores, axis=1) if scores else np.zeros((*prompt.shape[:1], 0, 0), np.float32))
+    return ids, (np.stack([np.asarray(x) for x in scores], axis=1) if scores
+                 else np.zeros((*prompt.shape[:1], 0, 0), np.float32))
 
 
 def load(workdir):
