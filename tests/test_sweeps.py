@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from favor import sweeps
+from favor.train import events
 from favor.tools import report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +83,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 from configs import default
 from favor import sweeps
+from favor.train import events
 
 def get_config(arg=None):
     c = default.get_config("runlocal")
@@ -172,16 +174,14 @@ def fake_run(path: Path, *, kind, seed, accuracy, steps=(10, 20), total=20, fini
              qk_norm=None):
     """A run directory as train.py leaves it: config.json, TensorBoard eval scalars and (when finished)
     summary.json; `accuracy` is the eval curve, one value per step in `steps`."""
-    from clu import metric_writers
     path.mkdir(parents=True)
     block = {"kind": kind, "num_features": 64, **({} if qk_norm is None else {"qk_norm": qk_norm})}
     (path / "config.json").write_text(json.dumps({"seed": seed, "total_steps": total, "optim": {"lr": 0.01},
                                                   "model": {"attention": block}}))
-    writer = metric_writers.create_default_writer(str(path / "tensorboard"))
+    writer = events.ScalarWriter(path / "tensorboard")
     for i, (step, acc) in enumerate(zip(steps, accuracy)):
         writer.write_scalars(step, {"eval/accuracy": acc, "eval/loss": 1.0 - acc, "time/wall_seconds": 5.0 * (i + 1),
                                     "loss": 2.0 - acc})
-    writer.flush()
     writer.close()
     if finished:
         (path / "summary.json").write_text(json.dumps({

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-from clu import metric_writers, periodic_actions
 
 from favor.data import atomic
 from favor.data.prefetch import prefetch
+from favor.train.events import Progress, ScalarWriter
 from favor.train.stage import Stage
 
 log = logging.getLogger("favor.train")
@@ -61,22 +61,6 @@ def save(ckpt, state, step: int, config, wall_seconds: float = 0.0):
                             "wall_seconds": wall_seconds})
 
 
-class Progress(periodic_actions.ReportProgress):
-    """clu's progress report every `every_steps` and at the last step (steps/s, ETA and the share of
-    time in eval as the work unit's note; `steps_per_sec` and `uptime` in TensorBoard), keeping the
-    rate of the latest window for the loop's log line and examples/s."""
-
-    def __init__(self, **kwargs):
-        # every_secs off: the report comes at logging steps only, right after the loop's device sync,
-        # so each window's rate counts finished steps, not dispatched ones
-        super().__init__(every_secs=None, **kwargs)
-        self.steps_per_second = None
-
-    def _apply(self, step, t):
-        self.steps_per_second = (step - self._previous_step) / max(t - self._previous_time, 1e-9)
-        super()._apply(step, t)
-
-
 @contextlib.contextmanager
 def preemption():
     """An Event that SIGTERM sets while the loop runs (handlers can only be set from the main thread;
@@ -102,7 +86,7 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
     `step_fn`'s; logs, evals, checkpoints, SIGTERM. `eval_first`: evaluate before the first step (a run
     that starts from another model's parameters: its day 0)."""
     total, log_every, batch_size = int(config.total_steps), int(config.log_every), int(config.batch_size)
-    writer = metric_writers.create_default_writer(str(workdir / "tensorboard"), just_logging=jax.process_index() > 0)
+    writer = ScalarWriter(workdir / "tensorboard", enabled=jax.process_index() == 0)
     progress = Progress(num_train_steps=total, every_steps=log_every, writer=writer)
     batches = prefetch(source.train_batches(batch_size, start, int(config.seed)), int(config.get("prefetch", 2)))
     history = {"train_loss": None, "steps_per_second": None, "losses": [], "evals": []}
@@ -152,14 +136,14 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                     writer.write_scalars(done, m)
                     history.update(train_loss=m["loss"], steps_per_second=rate)
                     history["losses"].append((done, m["loss"]))
-                    speed = "" if rate is None else f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s"
+                    speed = "" if rate is None else f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s ({progress.note})"
                     log.info("step %d/%d: loss %.4f%s", done, total, m["loss"], speed)
                 for run in stages:
                     if run.evaluate_fn is not None and done == run.end:
                         record_stage(run, done)
                 if done % int(config.eval_every) == 0 or last:
                     # no dispatch barrier: evaluate ends by fetching its outputs, so its time is whole
-                    with progress.timed("eval", wait_jax_async_dispatch=False):
+                    with progress.timed("eval"):
                         eval_metrics = record_eval(done)
                 if done % int(config.checkpoint_every) == 0 or last or stop.is_set():
                     save(ckpt, state, done, config, wall_seconds=time.perf_counter() - t_start)
@@ -170,7 +154,7 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
         finally:
             batches.close()
             ckpt.close()
-            writer.flush()
+            writer.close()
 
     if not eval_metrics and not stop.is_set():   # resumed at the end already: still report the metrics
         eval_metrics = evaluate_fn(state)
