@@ -183,7 +183,9 @@ def plot(results, metric, path, title, transfer_steps=None):
         ax.set_xlabel("training step of this run")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"eval {metric}" + (" (%)" if metric == "accuracy" else ""))
-    axes[-1].legend(loc="lower right", fontsize=8)
+    if metric == "perplexity":      # day 0 and from-scratch start orders of magnitude above the source
+        axes[0].set_yscale("log")
+    axes[-1].legend(loc="upper right" if metric in ("perplexity", "loss") else "lower right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
