@@ -71,6 +71,11 @@ def get_config(arg=None):
         c.total_steps, c.batch_size, c.eval_batch_size = 40, 16, 32
         c.checkpoint_every, c.eval_every, c.log_every = 20, 40, 5
         c.optim.update(lr=3e-3, warmup_steps=4)
+    # the preset's sizes as keys of their own, so a command line can set them (--config.model.hidden=128)
+    sizes = models.config("decoder", c.model.preset)
+    for key in ("hidden", "num_layers", "heads", "mlp_dim"):
+        if key not in c.model:
+            c.model[key] = sizes[key]
     if args.init:
         c.model.update(models.hf.decoder_config(args.init))
         c.model.init_from = f"hf:{args.init}"

@@ -15,7 +15,7 @@ State size: softmax keeps every key (its state grows with the sequence); a linea
 sums, 2 layers × heads × F × (head dim + 1) numbers whatever the length, so `num_features` sets it;
 `window` adds the last w + 1 keys exactly.
 
-Args: kind, num_features, window, pairs, seq_len, vocab, steps, runlocal; the sweep's seeds, widths
+Args: kind, num_features, window, pairs, seq_len, vocab, steps, batch, runlocal; the sweep's seeds, widths
 (F values, "/"-separated), kinds, bands (window sizes for FAVOR+ at the middle width).
 
     python launch/sweep_local.py --config configs/mqar.py:seeds=3 --workdir runs/mqar --parallel 2
@@ -28,7 +28,7 @@ SWEEP_KINDS = ("favor+", "favor++", "favor#", "elu")
 
 def _args(arg):
     return configlib.parse_arg(arg, kind="softmax", num_features=64, window=0, pairs=8, seq_len=64, vocab=256,
-                               steps=1500, runlocal=False, seeds=3, widths="16/64/256",
+                               steps=1500, batch=64, runlocal=False, seeds=3, widths="16/64/256",
                                kinds="/".join(SWEEP_KINDS), bands="8")
 
 
@@ -51,13 +51,13 @@ def sweep(arg=None):
 
 def get_config(arg=None):
     args = _args(arg)
-    for name in ("num_features", "pairs", "seq_len", "vocab", "steps"):
+    for name in ("num_features", "pairs", "seq_len", "vocab", "steps", "batch"):
         if int(args[name]) < 1:
             raise ValueError(f"{name}={args[name]}: expected a positive integer")
     if int(args.window) < 0:
         raise ValueError(f"window={args.window}: expected 0 (none) or a positive number of tokens")
     steps = int(args.steps)
-    c = configlib.run_config(total_steps=steps, batch_size=64, eval_batch_size=256, every=max(steps // 4, 1),
+    c = configlib.run_config(total_steps=steps, batch_size=int(args.batch), eval_batch_size=256, every=max(steps // 4, 1),
                              keep_checkpoints=1)
     c.data = {"name": "mqar", "vocab_size": int(args.vocab), "seq_len": int(args.seq_len),
               "num_pairs": int(args.pairs), "power_a": 0.01, "random_non_queries": True, "num_train": 100_000,

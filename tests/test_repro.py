@@ -20,6 +20,7 @@ COLUMNS = {
     "importance-sampling": ["regime", "σ", "PosRF", "PosRF + IS", "V* (Cor. 2) / Cor. 1 bound"],
     "listops-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "seeds"],
     "speech-kernels": ["setting", "WER (%)", "Δ vs softmax (± SE)", "seeds"],
+    "mqar-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "state (numbers)", "seeds"],
 }
 
 
@@ -42,7 +43,8 @@ def test_every_registered_reproduction_is_tested():
 
 # the reproductions that train (a sweep of train.py runs under <out>/runs), each with words its quick
 # report's comparisons must hold
-TRAINED = {"listops-kernels": "LRA Table 1", "speech-kernels": "task check: softmax below the weakest"}
+TRAINED = {"listops-kernels": "LRA Table 1", "speech-kernels": "task check: softmax below the weakest",
+           "mqar-kernels": "Zoology: attention solves MQAR"}
 
 
 @pytest.mark.parametrize("name", sorted(COLUMNS))
@@ -397,3 +399,54 @@ def test_simrf_classify_compares_the_papers_ordering(tmp_path):
     assert all("± " in t and "z = " in t for t, _ in comps)
     paper_wifi = next(r for r in data["rows"] if r[0].startswith("paper: wifi"))
     assert paper_wifi[2] == 0.8 and paper_wifi[5] == "0.6314 ± 0.0018"
+
+
+def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path):
+    """mqar-kernels: each setting's state is the numbers its decoding cache holds (checked against the
+    count by hand: softmax keeps 2·layers·L·d_model, a linear kind layers·heads·F·(head dim + 2), a band
+    adds its w + 1 keys, values, log-features and positions, (w + 1)·(2·head dim + F + 1), per head and layer); on made-up runs the settings group by kind and
+    width, and the state, band and FAVOR# claims are rated with the hand-computed Welch z."""
+    import numpy as np
+    from favor import configlib
+    from favor.repro import mqar_kernels as mk, trained
+
+    path = trained.config_path("mqar.py")
+    layers, heads, d_model, length = 2, 2, 64, 64
+    head = d_model // heads
+    expect = {("softmax", 64, 0): 2 * layers * length * d_model,
+              ("favor+", 16, 0): layers * heads * 16 * (head + 2),
+              ("favor#", 256, 0): layers * heads * 256 * (head + 2),
+              ("elu", 64, 0): layers * heads * head * (head + 2),
+              ("favor+", 64, 8): layers * heads * (64 * (head + 2) + 9 * (1 + 64 + 2 * head))}
+    for (kind, f, w), numbers in expect.items():
+        c = configlib.load(f"{path}:kind={kind},num_features={f},window={w}")
+        assert mk.state_numbers(c) == numbers, (kind, f, w)
+
+    acc = {("softmax", 64, 0): (0.95, 0.97, 0.96), ("favor+", 16, 0): (0.10, 0.12, 0.11),
+           ("favor+", 256, 0): (0.30, 0.34, 0.32), ("favor#", 16, 0): (0.11, 0.13, 0.10),
+           ("favor#", 256, 0): (0.31, 0.33, 0.35), ("favor+", 64, 8): (0.40, 0.45, 0.42),
+           ("favor+", 64, 0): (0.20, 0.22, 0.21)}
+    runs = []
+    for (kind, f, w), values in acc.items():
+        for seed, a in enumerate(values):
+            r = _fake_run(f"{kind}{f}{w}_{seed}", kind, seed, a, window=w, **{"model.attention.num_features": f})
+            runs.append(r)
+    settings = trained.by_setting(runs, mk._label, "accuracy")
+    assert set(settings) == {"softmax", "FAVOR+ F=16", "FAVOR+ F=256", "FAVOR# F=16", "FAVOR# F=256",
+                             "FAVOR+ F=64 + band 8", "FAVOR+ F=64"}
+    sizes = {k: 1000 + i for i, k in enumerate(settings)}
+    rep = mk._report(settings, sizes, runs, f"{path}:seeds=3", 3, sorted(settings))
+    assert rep.checks[0][1] is True
+    assert {r[0]: r[3] for r in rep.rows} == sizes
+    more = next((t, v) for t, v in rep.comparisons if t.startswith("Zoology: more state") and "FAVOR+ F=256" in t)
+    a, b = np.array(acc[("favor+", 256, 0)]), np.array(acc[("favor+", 16, 0)])
+    z = (a.mean() - b.mean()) / np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 3)
+    assert more[1] == "agrees" and f"z = {z:.1f}" in more[0] and "> FAVOR+ F=16" in more[0]
+    band = next((t, v) for t, v in rep.comparisons if t.startswith("FAVOR+ F=64 + band 8"))
+    assert band[1] == "agrees" and "FAVOR+ F=64 alone" in band[0]
+    sharp = next((t, v) for t, v in rep.comparisons if t.startswith("FAVOR# F=256"))
+    assert sharp[1] == "within noise" and "> FAVOR+ F=256" in sharp[0]
+    solved = next((t, v) for t, v in rep.comparisons if "solves" in t)
+    s = np.array(acc[("softmax", 64, 0)])
+    assert solved[1] == "agrees" and f"z = {(s.mean() - 0.9) / (s.std(ddof=1) / np.sqrt(3)):.1f}" in solved[0]
+    assert mk._report(settings, sizes, runs, f"{path}:seeds=3", 3, sorted(settings) + ["ELU"]).checks[0][1] is False

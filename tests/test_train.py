@@ -302,6 +302,9 @@ def test_scalar_events_read_back_with_tensorflows_own_reader(tmp_path):
     writer = events.ScalarWriter(tmp_path / "tb")
     writer.write_scalars(3, {"loss": 1.5, "eval/accuracy": 0.25})
     writer.write_scalars(7, {"loss": np.float32(0.75)})
+    live = event_accumulator.EventAccumulator(str(tmp_path / "tb"))     # a run still writing is readable
+    live.Reload()
+    assert [t.step for t in live.Tensors("loss")] == [3, 7]
     writer.close()
     events.ScalarWriter(tmp_path / "other", enabled=False).close()
     assert not (tmp_path / "other").exists()

@@ -25,6 +25,7 @@ REGISTRY = Registry("reproduction", {
     "importance-sampling": "favor.repro.importance_sampling",
     "listops-kernels": "favor.repro.listops_kernels",
     "speech-kernels": "favor.repro.speech_kernels",
+    "mqar-kernels": "favor.repro.mqar_kernels",
 })
 
 names = REGISTRY.names

@@ -47,6 +47,9 @@ class ScalarWriter:
         now = time.time()
         for tag, value in scalars.items():
             self._write(event_pb2.Event(wall_time=now, step=int(step), summary=summary_v2.scalar_pb(tag, float(value))))
+        # on disk at once: TensorBoard and favor.tools.report read a run while it trains (a few writes a
+        # logging step, so the flush costs nothing measurable)
+        self._records.flush()
 
     def flush(self):
         if self._records is not None:
