@@ -116,17 +116,13 @@ def _report(settings, runs, config, window, seeds, band, asked):
                             f"{len(rf)} (which favours agreement) (z = {z:.1f})", v))
     for better, worse, source in PAPER_ORDERINGS:
         if better in settings and worse in settings:
-            v, z = trained.rate(settings[better]["stat"], settings[worse]["stat"])
-            comparisons.append((f"{better} ({settings[better]['stat'].text()} %) > {worse} "
-                                f"({settings[worse]['stat'].text()} %) — {source} (z = {z:.1f})", v))
+            comparisons.append(trained.claim(settings, better, worse, f" — {source}"))
     hybrid = [k for k in settings if "band" in k]
     for h in hybrid:
         base = h.split(" + ")[0]
         if base in settings:
-            v, z = trained.rate(settings[h]["stat"], settings[base]["stat"])
-            comparisons.append((f"{h} ({settings[h]['stat'].text()} %) > {base} alone "
-                                f"({settings[base]['stat'].text()} %): exact attention near the diagonal "
-                                f"helps (z = {z:.1f})", v))
+            comparisons.append(trained.claim(settings, h, base, ": exact attention near the diagonal helps",
+                                             alone=True))
     checks = [trained.complete(settings, asked, runs, seeds, "accuracy")]
     within = [k for k in settings if k not in ("softmax", BAG)
               and ref is not None and trained.rate(settings[k]["stat"], ref["stat"])[0] == "within noise"]

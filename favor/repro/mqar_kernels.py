@@ -148,10 +148,8 @@ def _report(settings, sizes, runs, config, seeds, asked):
                                 f"(which favours agreement) (z = {z:.1f})", v))
     for name, members in families.items():
         if len(members) > 1:
-            (w0, narrow), (w1, wide) = members[0], members[-1]
-            v, z = trained.rate(settings[wide]["stat"], settings[narrow]["stat"])
-            comparisons.append((f"Zoology: more state recalls more — {wide} ({settings[wide]['stat'].text()} %) "
-                                f"> {narrow} ({settings[narrow]['stat'].text()} %) (z = {z:.1f})", v))
+            text, v = trained.claim(settings, members[-1][1], members[0][1], "")
+            comparisons.append(("Zoology: more state recalls more — " + text, v))
         if ref is not None:
             wide = members[-1][1]
             v, z = trained.rate(ref["stat"], settings[wide]["stat"])
@@ -162,17 +160,13 @@ def _report(settings, sizes, runs, config, seeds, asked):
         for width, label in families.get(better, []):
             base = f"FAVOR+ F={width}"
             if base in settings:
-                v, z = trained.rate(settings[label]["stat"], settings[base]["stat"])
-                comparisons.append((f"{label} ({settings[label]['stat'].text()} %) > {base} "
-                                    f"({settings[base]['stat'].text()} %) — {source} (z = {z:.1f})", v))
+                comparisons.append(trained.claim(settings, label, base, f" — {source}"))
     for label in settings:
         if " + band " in label:
             base = label.split(" + band ")[0]
             if base in settings:
-                v, z = trained.rate(settings[label]["stat"], settings[base]["stat"])
-                comparisons.append((f"{label} ({settings[label]['stat'].text()} %) > {base} alone "
-                                    f"({settings[base]['stat'].text()} %): the window hybrid recovers part of the "
-                                    f"recall (z = {z:.1f})", v))
+                comparisons.append(trained.claim(settings, label, base, ": the window hybrid recovers part of "
+                                                 "the recall", alone=True))
     checks = [trained.complete(settings, asked, runs, seeds, "accuracy")]
     spec = f"configs/mqar.py:{config.rsplit(':', 1)[1]}"
     notes = [f"The sweep: `{spec}` (launch/sweep_local.py, resumable)" + trained.timing(runs) + "."]

@@ -75,6 +75,15 @@ def rate(better: Stat, worse: Stat, higher_is_better=True, margin=2.0) -> tuple[
     return verdict(z, margin), z
 
 
+def claim(settings: dict, better: str, worse: str, why: str, alone: bool = False) -> tuple[str, str]:
+    """The claim "`better` beats `worse`" on two settings' accuracies as a report comparison:
+    ("better (mean ± sd %) > worse[ alone] (mean ± sd %)<why> (z = …)", verdict); `why` starts with its
+    own separator (" — paper", ": reason")."""
+    a, b = settings[better]["stat"], settings[worse]["stat"]
+    v, z = rate(a, b)
+    return (f"{better} ({a.text()} %) > {worse}{' alone' if alone else ''} ({b.text()} %){why} (z = {z:.1f})", v)
+
+
 def config_path(name: str) -> str:
     """A config of the checkout, e.g. "listops.py" -> <root>/configs/listops.py (an error naming it when the
     package runs from somewhere without the checkout's configs/)."""
