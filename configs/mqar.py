@@ -12,8 +12,8 @@ and does not leave chance with 2048 tokens (2 % after 600 steps). AdamW at 3e-3,
 steps of batch 64. Accuracy is the fraction of queried values predicted exactly.
 
 State size: softmax keeps every key (its state grows with the sequence); a linear kind keeps its feature
-sums, 2 layers × heads × F × (head dim + 1) numbers whatever the length, so `num_features` sets it;
-`window` adds the last w + 1 keys exactly.
+sums and their per-feature stabiliser, 2 layers × heads × F × (head dim + 2) numbers whatever the
+length, so `num_features` sets it; `window` adds the last w + 1 keys exactly.
 
 Args: kind, num_features, window, pairs, seq_len, vocab, steps, batch, runlocal; the sweep's seeds, widths
 (F values, "/"-separated), kinds, bands (window sizes for FAVOR+ at the middle width).
@@ -34,7 +34,7 @@ def _args(arg):
 
 def sweep(arg=None):
     """Recall against state size: softmax; each random-feature kind of `kinds` at every width F of `widths`
-    (its state: F·(head dim + 1) numbers per head and layer); ReLU/ELU once (F = head dim); FAVOR+ at the
+    (its state: F·(head dim + 2) numbers per head and layer); ReLU/ELU once (F = head dim); FAVOR+ at the
     middle width with each exact band of `bands`; seed by seed."""
     args = _args(arg)
     widths = sorted({int(w) for w in str(args.widths).split("/") if w})

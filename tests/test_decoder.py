@@ -120,6 +120,38 @@ def test_presets_and_bad_options():
         generate.generate(model, np.zeros((1, 5)), 60)
     with pytest.raises(ValueError, match="length ≥ 1"):
         generate.generate(model, np.zeros((1, 0)), 4)
+    with pytest.raises(ValueError, match=f"top_k 65 exceeds the vocabulary of {VOCAB} tokens"):
+        generate.generate(model, np.zeros((1, 2)), 4, temperature=1.0, top_k=VOCAB + 1)
+
+
+@pytest.mark.parametrize("spec", ["favor+", "favor#@3-l2", "softmax"])
+def test_decoding_from_an_empty_prompt_equals_the_causal_pass(spec):
+    """Decoder.prefill of no tokens leaves the empty state; decoding on from it gives the causal pass's
+    logits at every position (the first token sees only itself)."""
+    model = tiny(spec)
+    ids = jax.random.randint(jax.random.key(5), (2, 6), 0, VOCAB)
+    logits, caches = model.prefill(jnp.zeros((2, 0), jnp.int32), max_length=6)
+    assert logits.shape == (2, 0, VOCAB)
+    full = np.asarray(forward(model)(ids))
+    for t in range(6):
+        step, caches = model.decode(ids[:, t], jnp.asarray(t), caches)
+        np.testing.assert_allclose(np.asarray(step), full[:, t], rtol=1e-4, atol=1e-5, err_msg=f"{spec}: {t}")
+
+
+def test_decoding_past_the_cache_or_the_learned_positions_is_nan_not_a_clamped_answer():
+    """A position the cache (softmax) or the position table (learned positions) does not hold cannot be
+    refused inside jit (it is traced): its logits are NaN, where the clamped write or lookup would give a
+    plausible wrong answer; linear kinds with rotary positions have no such end."""
+    ids = jax.random.randint(jax.random.key(6), (1, 4), 0, VOCAB)
+    for spec, limit in (("softmax", 4), ("gpt2-favor+", 64)):
+        model = tiny(spec)
+        _, caches = model.prefill(ids, max_length=4)
+        inside, _ = model.decode(ids[:, -1], jnp.asarray(limit - 1), caches)
+        past, _ = model.decode(ids[:, -1], jnp.asarray(limit), caches)
+        assert np.all(np.isfinite(np.asarray(inside))) and np.all(np.isnan(np.asarray(past))), spec
+    model = tiny("favor+")
+    _, caches = model.prefill(ids, max_length=4)
+    assert np.all(np.isfinite(np.asarray(model.decode(ids[:, -1], jnp.asarray(100), caches)[0])))
 
 
 def test_sampling_keeps_to_the_top_k_and_greedy_is_the_argmax():
@@ -130,6 +162,9 @@ def test_sampling_keeps_to_the_top_k_and_greedy_is_the_argmax():
     p = 0.5 / 0.8
     assert abs(np.mean(draws == 0) - p) < 5 * math.sqrt(p * (1 - p) / 4000)
     assert np.all(np.asarray(generate.sample(logits, jax.random.key(0), 0.0, 0)) == 0)
+    # a tie at the k-th value: still exactly k candidates (a threshold at the k-th value would keep three)
+    tied = jnp.log(jnp.asarray([[0.4, 0.2, 0.2, 0.2]] * 4000))
+    assert len(np.unique(np.asarray(generate.sample(tied, jax.random.key(1), 1.0, 2)))) == 2
 
 
 # -- data, task and a local run ---------------------------------------------------------------------------

@@ -718,7 +718,7 @@ def decode_floor(state, x, y, v, valid=None):
 
 def decode_absorb(state, lk, sk, v):
     """The state after one more key: lk [B, H, F] (−inf: no key), sk its sign or None, v [B, H, Dv]."""
-    tau = jnp.maximum(state["tau"], lk)
+    tau = sg(jnp.maximum(state["tau"], lk))
     keep = jnp.where(jnp.isfinite(state["tau"]), jnp.exp(state["tau"] - finite_or(tau)), 0.0)
     fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - finite_or(tau)), 0.0), sk)
     total = state["sum"] * keep[..., None] + fk[..., None] * ones_column(v)[..., None, :]
@@ -731,7 +731,7 @@ def decode_read(state, lq, sq):
     bidirectional pass."""
     tau = state["tau"]
     lqt = jnp.where(jnp.isfinite(tau), lq + finite_or(tau), NEG_INF)
-    scale = jnp.max(lqt, axis=-1)
+    scale = sg(jnp.max(lqt, axis=-1))
     fq = _with_sign(jnp.exp(lqt - finite_or(scale)[..., None]), sq)
     return jnp.einsum("bhf,bhfd->bhd", fq, state["sum"]), scale
 
@@ -746,7 +746,7 @@ def decode_prefill(lk, sk, v, valid=None, dim=None, y=None):
     if valid is not None:
         lk = jnp.where(jnp.asarray(valid, bool)[:, None, :, None], lk, NEG_INF)
     features = lk.shape[-1] if sk is None else sk.shape[-1]
-    tau = jnp.broadcast_to(jnp.max(lk, axis=2), (b, h, features)) if l else jnp.full((b, h, features), NEG_INF, F32)
+    tau = sg(jnp.broadcast_to(jnp.max(lk, axis=2), (b, h, features)) if l else jnp.full((b, h, features), NEG_INF, F32))
     fk = _with_sign(jnp.where(jnp.isfinite(lk), jnp.exp(lk - finite_or(tau)[:, :, None]), 0.0), sk)
     state = {"tau": tau, "sum": jnp.einsum("bhlf,bhld->bhfd", jnp.broadcast_to(fk, (b, h, l, features)),
                                            ones_column(v))}

@@ -151,4 +151,7 @@ class Decoder(nnx.Module):
         for layer, cache in zip(self.layers, caches):
             x, cache = layer.decode(x, position, cache)
             new.append(cache)
-        return self._logits(x)[1][:, 0], new
+        logits = self._logits(x)[1][:, 0]
+        if self.position_embeddings is not None:      # learned positions end at max_positions (a clamped lookup)
+            logits = jnp.where(position < self.config["max_positions"], logits, jnp.nan)
+        return logits, new

@@ -216,7 +216,8 @@ class SelfAttention(nnx.Module):
             raise ValueError(f"a prompt of {p} tokens does not fit a cache of max_length {max_length}")
         q, k, v = self.project(x)
         draw, stats = self._draw_and_stats()
-        out = self.kind(q, k, v, causal=True, draw=draw, stats=stats)
+        # an empty prompt has no outputs (the causal pass's chunking needs a token); its cache is the empty state
+        out = v if p == 0 else self.kind(q, k, v, causal=True, draw=draw, stats=stats)
         out = self.out(out.reshape(b, p, self.heads * self.head_dim).astype(x.dtype))
         if isinstance(self.kind, Softmax):
             grow = lambda a: jnp.pad(a, ((0, 0), (0, max_length - p), (0, 0), (0, 0)))
@@ -233,6 +234,9 @@ class SelfAttention(nnx.Module):
             cache = {"k": at(cache["k"], k), "v": at(cache["v"], v)}
             seen = jnp.arange(cache["k"].shape[1]) <= position
             out = self.kind(q, cache["k"], cache["v"], mask=jnp.broadcast_to(seen, (b, seen.shape[0])))
+            # past the cache the write above is clamped onto its last slot; the position is traced, so no
+            # error can be raised here: NaN outputs make the overflow loud instead of silently wrong
+            out = jnp.where(position < cache["k"].shape[1], out, jnp.nan)
         else:
             out, cache = self.kind.decode_step(cache, q, k, v, self._decode_context())
         return self.out(out.reshape(b, 1, self.heads * self.head_dim).astype(x.dtype)), cache

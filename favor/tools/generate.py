@@ -32,8 +32,9 @@ def sample(logits, key, temperature: float, top_k: int):
         return jnp.argmax(logits, -1).astype(jnp.int32)
     logits = logits / temperature
     if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        # exactly k candidates, ties at the k-th value included by position (a threshold would keep them all)
+        values, index = jax.lax.top_k(logits, top_k)
+        logits = jax.vmap(lambda row, i, v: row.at[i].set(v))(jnp.full_like(logits, -jnp.inf), index, values)
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
@@ -71,6 +72,8 @@ def generate(model: Decoder, prompt, max_tokens: int, temperature: float = 0.0, 
     if temperature < 0 or top_k < 0 or max_tokens < 0:
         raise ValueError(f"generate: temperature, top_k and max_tokens must be ≥ 0; got {temperature}, {top_k}, "
                          f"{max_tokens}")
+    if top_k > model.config["vocab_size"]:
+        raise ValueError(f"generate: top_k {top_k} exceeds the vocabulary of {model.config['vocab_size']} tokens")
     p = prompt.shape[1]
     max_length = p + max_tokens
     if max_length > model.config["max_positions"]:
