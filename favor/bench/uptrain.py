@@ -28,6 +28,7 @@ from favor.attention import schedule
 from favor.bench import sections
 from favor.bench.common import specs
 
+LOWER_IS_BETTER = ("loss", "perplexity", "wer", "cer")
 KINDS = ("favor+", "favor++", "favor#", "favor#:saderf", "hrf", "simrf", "favor", "relu", "elu")
 
 
@@ -185,7 +186,7 @@ def plot(results, metric, path, title, transfer_steps=None):
     axes[0].set_ylabel(f"eval {metric}" + (" (%)" if metric == "accuracy" else ""))
     if metric == "perplexity":      # day 0 and from-scratch start orders of magnitude above the source
         axes[0].set_yscale("log")
-    axes[-1].legend(loc="upper right" if metric in ("perplexity", "loss") else "lower right", fontsize=8)
+    axes[-1].legend(loc="upper right" if metric in LOWER_IS_BETTER else "lower right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -216,7 +217,9 @@ def write(args, argv, results, section, name, wall):
                             transfer_steps=args.transfer_steps, draws=args.draws, lr_factor=args.lr_factor)
     title = (f"{name}: {args.metric} of each attention kind started from a softmax run "
              f"({results['source']['steps']} steps, {100 * results['source'][args.metric]:.1f} %)"
-             if args.metric == "accuracy" else f"{name}: {args.metric} per attention kind from a softmax run")
+             if args.metric == "accuracy" else f"{name}: {args.metric} per attention kind from a softmax run ("
+             f"{results['source']['steps']} steps, {results['source'][args.metric]:.4g}"
+             f"{'; lower is better' if args.metric in LOWER_IS_BETTER else ''})")
     plot(results, args.metric, out / f"{section}.png", title, args.transfer_steps)
     body = (f"{sections.heading(section, meta)}\n\n"
             f"{sections.where(meta)}; {wall / 60:.0f} min for this "
