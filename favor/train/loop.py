@@ -136,7 +136,8 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                     writer.write_scalars(done, m)
                     history.update(train_loss=m["loss"], steps_per_second=rate)
                     history["losses"].append((done, m["loss"]))
-                    speed = "" if rate is None else f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s ({progress.note})"
+                    speed = ("" if rate is None else
+                             f", {rate:.1f} steps/s, {rate * batch_size:.0f} examples/s ({progress.note})")
                     log.info("step %d/%d: loss %.4f%s", done, total, m["loss"], speed)
                 for run in stages:
                     if run.evaluate_fn is not None and done == run.end:
