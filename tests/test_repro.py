@@ -435,8 +435,10 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
     assert set(settings) == {"softmax", "FAVOR+ F=16", "FAVOR+ F=256", "FAVOR# F=16", "FAVOR# F=256",
                              "FAVOR+ F=64 + band 8", "FAVOR+ F=64"}
     sizes = {k: 1000 + i for i, k in enumerate(settings)}
-    rep = mk._report(settings, sizes, runs, f"{path}:seeds=3", 3, sorted(settings))
+    rep = mk._report(settings, sizes, runs, f"{path}:seeds=3", 3, sorted(settings), pairs=4)
     assert rep.checks[0][1] is True
+    # above 1 / pairs = 25 % at 2 SE: softmax, FAVOR+ and FAVOR# at 256 (~32 %) and the band (~42 %)
+    assert rep.notes[1].endswith("(association): softmax, FAVOR+ F=256, FAVOR# F=256, FAVOR+ F=64 + band 8."), rep.notes
     assert {r[0]: r[3] for r in rep.rows} == sizes
     more = next((t, v) for t, v in rep.comparisons if t.startswith("Zoology: more state") and "FAVOR+ F=256" in t)
     a, b = np.array(acc[("favor+", 256, 0)]), np.array(acc[("favor+", 16, 0)])

@@ -104,7 +104,7 @@ def run(args):
     asked = asked_settings(configlib.values("kinds", kinds, tuple(LABELS)),
                            sorted({int(w) for w in widths.split("/") if w}),
                            [int(b) for b in bands.split("/") if b])
-    return _report(settings, sizes, runs, config, seeds, asked)
+    return _report(settings, sizes, runs, config, seeds, asked, pairs=int(configlib.load(config).data.num_pairs))
 
 
 def asked_settings(kinds, widths, bands):
@@ -125,7 +125,7 @@ def _families(settings):
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _report(settings, sizes, runs, config, seeds, asked):
+def _report(settings, sizes, runs, config, seeds, asked, pairs=None):
     ref = settings.get("softmax")
     rows = []
     for row in trained.setting_rows(settings, "softmax"):
@@ -170,7 +170,13 @@ def _report(settings, sizes, runs, config, seeds, asked):
     checks = [trained.complete(settings, asked, runs, seeds, "accuracy")]
     spec = f"configs/mqar.py:{config.rsplit(':', 1)[1]}"
     notes = [f"The sweep: `{spec}` (launch/sweep_local.py, resumable)" + trained.timing(runs) + "."]
-    figures = {"config": spec, "seeds": seeds, "state_numbers": sizes,
+    if pairs:
+        # a model that answers with some value of the context, not the asked key's, scores 1 / pairs
+        floor = trained.Stat((1.0 / pairs,) * 2)
+        above = [k for k in settings if trained.rate(settings[k]["stat"], floor)[0] == "agrees"]
+        notes.append(f"Answering with a value seen in the context but not the asked key's scores 1 / {pairs} = "
+                     f"{100 / pairs:.0f} %; above it at 2 SE (association): {', '.join(above) or 'none'}.")
+    figures = {"config": spec, "seeds": seeds, "pairs": pairs, "state_numbers": sizes,
                "settings": trained.settings_figures(settings, "accuracy")}
 
     def plot(fig):
@@ -195,6 +201,9 @@ def _report(settings, sizes, runs, config, seeds, asked):
             ax_state.errorbar([sizes[label]], [100 * stat.mean], yerr=[100 * stat.sd], capsize=3, ls="none",
                               marker=markers.get(label, "s"), ms=12 if label == "softmax" else 7,
                               color=colour[label], label=label)
+        if pairs:
+            ax_state.axhline(100 / pairs, color="grey", ls=":", lw=1,
+                             label=f"a context value, not the key's ({100 / pairs:.0f} %)")
         ax_state.set_xscale("log")
         ax_state.set_xlabel("decoding state of one sequence (numbers, log scale)")
         ax_state.set_ylabel("recall accuracy (%), mean over seeds ± sd")
