@@ -22,8 +22,7 @@ train: $(STAMP)
 # compiled programs (tests/conftest.py), and no test process loads torch beside jaxlib any more
 # (tests/hf_reference.py): a crash now fails the suite, to be found, not retried.
 # worksteal: a worker that runs out of tests takes pending ones from the other, so a long test near the
-# end does not leave a core idle (measured: 26 s of one idle core over a full run, against about 90 s
-# with the default distribution)
+# end does not leave a core idle
 PYTEST_FLAGS := --timeout 600 --timeout-method thread --dist worksteal
 
 test: $(STAMP)

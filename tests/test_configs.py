@@ -111,3 +111,14 @@ def test_speech_data_and_the_conformer_agree_on_the_subsampling():
     assert speech.MIN_FRAMES == conformer.MIN_FRAMES
     np.testing.assert_array_equal(speech.subsampled_length(frames), np.asarray(conformer.subsampled_length(frames)))
     assert int(speech.subsampled_length(speech.MIN_FRAMES)) == 1 and int(speech.subsampled_length(6)) == 0
+
+
+def test_decoder_lm_sizes_are_keys_a_command_line_sets():
+    """The decoder's sizes come from its preset but are config keys, so `--config.model.hidden=128`
+    resizes the model (a flag on a key the config lacks is refused)."""
+    c = decoder_lm.get_config("data=local")
+    assert (c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim) == (256, 4, 4, 704)
+    for flag in ("model.hidden=128", "model.num_layers=2", "model.mlp_dim=384"):
+        configlib.apply_flag(c, flag)
+    configlib.validate(c)
+    assert (c.model.hidden, c.model.num_layers, c.model.mlp_dim) == (128, 2, 384)

@@ -235,6 +235,8 @@ def test_speech_sweep_settings_are_valid_configs():
 def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, capsys, monkeypatch):
     assert main(["listops-kernels", "--quick", "--seeds", "1", "--out", str(tmp_path / "o")]) == 2
     assert "--seeds 1" in capsys.readouterr().err
+    assert main(["mqar-kernels", "--widths", "16/x", "--out", str(tmp_path / "o")]) == 2
+    assert "--widths '16/x': expected positive integers" in capsys.readouterr().err
     for bad in (["--narrow", "8/x"], ["--wide", "0"], ["--conv-kernel", "0"], ["--steps", "5"]):
         assert main(["speech-kernels", "--quick", *bad, "--out", str(tmp_path / "o")]) == 2
         assert bad[1] in capsys.readouterr().err, bad

@@ -319,6 +319,28 @@ def test_scalar_events_read_back_with_tensorflows_own_reader(tmp_path):
 
 
 def test_a_run_does_not_import_tensorflow():
-    """The training path (job, loop, writer) leaves TensorFlow unloaded: it costs a process 2.5 s."""
+    """The training path (job, loop, writer) leaves TensorFlow unloaded: its import costs a process seconds."""
     code = "import sys, favor.job, favor.train.loop; assert 'tensorflow' not in sys.modules, 'tensorflow imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_progress_rates_the_window_between_reports_and_skips_the_first_call(monkeypatch):
+    """The first call (the step that compiled) only starts the clock; a report comes at every
+    `every_steps`-th step and the last, with steps/s over the window since the previous one, the ETA and
+    the share of time in each timed part, and writes steps_per_sec and uptime."""
+    clock = iter([0.0, 10.0, 11.0, 14.0, 15.0, 17.0, 18.0, 19.0, 22.0])
+    monkeypatch.setattr(events.time, "monotonic", lambda: next(clock))
+    written = []
+    writer = type("W", (), {"write_scalars": lambda self, step, s: written.append((step, s))})()
+    progress = events.Progress(num_train_steps=7, every_steps=3, writer=writer)        # t0 = 0
+    assert progress(1) is False                                                       # t = 10: the start
+    assert progress(2) is False                                                       # t = 11
+    assert progress(3) is True and progress.steps_per_second == pytest.approx(2 / 4)  # t = 14: 2 steps in 4 s
+    with progress.timed("eval"):                                                      # 15 → 17
+        pass
+    assert progress(4) is False and progress(6) is True                               # t = 19: 3 steps in 5 s
+    assert progress.steps_per_second == pytest.approx(3 / 5)
+    assert progress.note == "86%, ETA 2s, 11% eval"                                   # 1 step left; 2 of 19 s
+    assert progress(7) is True                                                        # t = 22: the last step
+    assert [s for s, _ in written] == [3, 6, 7] and set(written[0][1]) == {"steps_per_sec", "uptime"}
+    assert written[1][1]["uptime"] == pytest.approx(19.0)

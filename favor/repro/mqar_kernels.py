@@ -86,6 +86,9 @@ def run(args):
     widths = args.widths or ("16" if quick else "16/64/256")
     kinds = args.kinds or ("favor+" if quick else "favor+/favor#/elu")
     bands = args.bands if args.bands is not None else ("" if quick else "8")
+    for flag, text in (("--widths", widths), ("--bands", bands)):
+        if not all(part.isdigit() and int(part) > 0 for part in text.split("/") if part):
+            raise ValueError(f"{flag} {text!r}: expected positive integers separated by '/'")
     if args.parallel < 1 or any(v is not None and v < 1 for v in (args.steps, args.pairs, args.batch)):
         raise ValueError("--parallel, --steps, --pairs and --batch must be positive")
     spec = [f"seeds={seeds}", f"widths={widths}", f"kinds={kinds}", f"bands={bands}"]

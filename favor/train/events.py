@@ -1,7 +1,7 @@
 """What a run reports while it trains: TensorBoard scalars and the progress of its steps.
 
 The event files are written with tensorboard's own record format and scalar protos, not TensorFlow's
-summary writer: importing TensorFlow costs every train.py process 2.5 s of start-up, and clu's writers
+summary writer: importing TensorFlow costs every train.py process seconds of start-up, and clu's writers
 and periodic actions import it whatever writer is asked for. TensorBoard, favor.tools.report and
 TensorFlow's own readers read these files as they read TensorFlow's.
 """
