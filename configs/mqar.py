@@ -16,7 +16,8 @@ sums and their per-feature stabiliser, 2 layers × heads × F × (head dim + 2) 
 length, so `num_features` sets it; `window` adds the last w + 1 keys exactly.
 
 Args: kind, num_features, window, pairs, seq_len, vocab, steps, batch, runlocal; the sweep's seeds, widths
-(F values, "/"-separated), kinds, bands (window sizes for FAVOR+ at the middle width).
+(F values, "/"-separated), kinds (trained at every width), others (kinds trained at the middle width only,
+so that every kind appears without tripling the runs), bands (window sizes for FAVOR+ at the middle width).
 
     python launch/sweep_local.py --config configs/mqar.py:seeds=3 --workdir runs/mqar --parallel 2
 """
@@ -29,21 +30,27 @@ SWEEP_KINDS = ("favor+", "favor++", "favor#", "elu")
 def _args(arg):
     return configlib.parse_arg(arg, kind="softmax", num_features=64, window=0, pairs=8, seq_len=64, vocab=256,
                                steps=1500, batch=64, runlocal=False, seeds=3, widths="16/64/256",
-                               kinds="/".join(SWEEP_KINDS), bands="8")
+                               kinds="/".join(SWEEP_KINDS), others="", bands="8")
 
 
 def sweep(arg=None):
     """Recall against state size: softmax; each random-feature kind of `kinds` at every width F of `widths`
-    (its state: F·(head dim + 2) numbers per head and layer); ReLU/ELU once (F = head dim); FAVOR+ at the
-    middle width with each exact band of `bands`; seed by seed."""
+    (its state: F·(head dim + 2) numbers per head and layer) and each of `others` at the middle width only,
+    sign-indefinite kinds with queries and keys on the sphere (qk_norm=l2); ReLU/ELU once (F = head dim); FAVOR+ at the middle width with each exact band of `bands`; seed by seed."""
     args = _args(arg)
     widths = sorted({int(w) for w in str(args.widths).split("/") if w})
     if not widths or min(widths) < 1 or int(args.seeds) < 1:
         raise ValueError(f"widths={args.widths}, seeds={args.seeds}: expected positive numbers")
     kind, width, band = "model.attention.kind", "model.attention.num_features", "model.attention.window"
     settings = [{kind: "softmax"}]
-    for k in configlib.values("kinds", args.kinds, [n for n in attention.names() if n != "softmax"]):
-        settings += [{kind: k}] if k in ("relu", "elu") else [{kind: k, width: w} for w in widths]
+    allowed = [n for n in attention.names() if n != "softmax"]
+    kinds = configlib.values("kinds", args.kinds, allowed)
+    others = [k for k in configlib.values("others", args.others, allowed) if k not in kinds]
+    for k in list(kinds) + others:
+        ws = widths if k in kinds else [widths[len(widths) // 2]]
+        # sign-indefinite kinds (trig, HRF) on the sphere, as favor advises: unnormalised they barely train
+        norm = {} if getattr(attention.get(k), "positive", True) else {"model.attention.qk_norm": "l2"}
+        settings += [{kind: k}] if k in ("relu", "elu") else [{kind: k, width: w, **norm} for w in ws]
     settings += [{kind: "favor+", width: widths[len(widths) // 2], band: int(b)}
                  for b in str(args.bands).split("/") if b and int(b) > 0]
     yield from sweeps.seed_by_seed(settings, range(int(args.seeds)))

@@ -85,3 +85,11 @@ def test_sweep_is_recall_against_state_size_and_every_item_is_a_valid_run():
     assert runs[11].name == "kind=favor+_num_features=64_window=8_seed=0"
     with pytest.raises(ValueError, match=r"kinds: unknown 'favor\+\+\+'"):
         sweeps.load(spec + ":kinds=favor+++")
+    # others: each at the middle width only, after the width-swept kinds; one already swept is not doubled
+    more = sweeps.load(spec + ":seeds=1,kinds=favor+/elu,others=hrf/relu/favor+,widths=8/32/128,bands=")
+    assert [(r.overrides["model.attention.kind"], r.overrides.get("model.attention.num_features"))
+            for r in more] == [("softmax", None), ("favor+", 8), ("favor+", 32), ("favor+", 128), ("elu", None),
+                               ("hrf", 32), ("relu", None)]
+    assert more[5].overrides["model.attention.qk_norm"] == "l2" and "model.attention.qk_norm" not in more[1].overrides
+    with pytest.raises(ValueError, match=r"others: unknown 'trig'"):
+        sweeps.load(spec + ":others=trig")

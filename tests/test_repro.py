@@ -454,3 +454,7 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
     s = np.array(acc[("softmax", 64, 0)])
     assert solved[1] == "agrees" and f"z = {(s.mean() - 0.9) / (s.std(ddof=1) / np.sqrt(3)):.1f}" in solved[0]
     assert mk._report(settings, sizes, runs, f"{path}:seeds=3", 3, sorted(settings) + ["ELU"]).checks[0][1] is False
+    assert mk.asked_settings(("favor+", "elu"), [16, 64, 256], [8], ("hrf", "favor+", "relu")) == [
+        "softmax", "FAVOR+ F=16", "FAVOR+ F=64", "FAVOR+ F=256", "ELU", "HRF (qk l2) F=64", "ReLU", "FAVOR+ F=64 + band 8"]
+    hrf = _fake_run("h", "hrf", 0, 0.3, **{"model.attention.num_features": 64, "model.attention.qk_norm": "l2"})
+    assert mk._label(hrf) == "HRF (qk l2) F=64"

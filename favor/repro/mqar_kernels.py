@@ -7,12 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from favor import configlib
+from favor import attention, configlib
 from favor.repro import trained
 from favor.repro.report import Report
 
 NAME = "mqar-kernels"
-SUMMARY = "MQAR recall against state size: FAVOR+ and FAVOR# at 3 widths, ELU, a softmax band, softmax; 3 seeds"
+SUMMARY = ("MQAR recall against state size: FAVOR+ and FAVOR# at 3 widths, the other kinds at one, a softmax band, "
+           "softmax; 3 seeds")
 PROTOCOL = """\
 Zoology (Arora, Eyuboglu et al. 2023, Fig. 2 and §3): multi-query associative recall, where a model reads
 key-value pairs and must return the value of each key asked later; attention solves it at every
@@ -25,7 +26,9 @@ share of queried values predicted exactly on 1,000 held-out sequences. A model t
 value of the context but not the asked key's scores 1 / pairs (25 % at 4 pairs): recall above that
 is association. Settings: softmax; each random-feature kind at every feature width F of `--widths`
 (a decoding state of 2 layers × 2 heads × F × (head dim + 2) numbers: the feature sums and the
-per-feature stabiliser); ELU (a deterministic feature map as wide as a head); FAVOR+ at the middle
+per-feature stabiliser); each kind of `--others` (default trig, FAVOR++, HRF, SimRF and ReLU) at the
+middle width only, trig and HRF with queries and keys on the sphere (qk_norm=l2, as favor advises
+for sign-indefinite kinds); ELU and ReLU (deterministic feature maps as wide as a head); FAVOR+ at the middle
 width plus exact softmax over the last `--bands` tokens (favor's window hybrid: the band's keys,
 values, log-features and positions join the state). State sizes are measured: the numbers in each
 model's decoding cache for one sequence (favor's `prefill`), softmax's being its key/value cache of
@@ -34,8 +37,9 @@ and feature draws); mean ± sd over seeds; claims rated at 2 standard errors of 
 
 Where favor differs from Zoology: a 256-token vocabulary (Zoology's 8192 needs more steps than a CPU
 gives: softmax stays at chance after 600 steps), 48,000 training sequences instead of 64 epochs of
-100,000, one learning rate rather than the best of a sweep, one sequence length, and FAVOR++ left
-out of the default kinds (`--kinds` adds it) so that the 27 runs fit an hour on 2 CPU cores.
+100,000, one learning rate rather than the best of a sweep, one sequence length, and only FAVOR+ and
+FAVOR# at three widths (the other kinds at the middle one) so that the runs fit about 2 hours on 2 CPU
+cores.
 """
 
 LABELS = {"softmax": "softmax", "favor": "trig", "favor+": "FAVOR+", "favor++": "FAVOR++", "favor#": "FAVOR#",
@@ -51,6 +55,8 @@ def add_arguments(parser):
     parser.add_argument("--widths", default=None, help="'/'-separated feature widths (default 16/64/256)")
     parser.add_argument("--kinds", default=None, help="'/'-separated random-feature kinds, relu and elu "
                                                       "(default favor+/favor#/elu; --quick favor+)")
+    parser.add_argument("--others", default=None, help="'/'-separated kinds trained at the middle width only "
+                                                       "(default favor/favor++/hrf/simrf/relu; --quick none)")
     parser.add_argument("--bands", default=None, help="'/'-separated softmax bands for FAVOR+ at the middle "
                                                       "width, '' for none (default 8; --quick none)")
     trained.add_sweep_arguments(parser)
@@ -63,6 +69,8 @@ def _label(run):
     if kind in ("softmax", "relu", "elu"):
         return name
     band = int(s.get("model.attention.window") or 0)
+    if s.get("model.attention.qk_norm"):
+        name += f" (qk {s['model.attention.qk_norm']})"
     return f"{name} F={int(s['model.attention.num_features'])}" + (f" + band {band}" if band else "")
 
 
@@ -85,13 +93,15 @@ def run(args):
         raise ValueError("--steps, --pairs and --batch with --quick: the quick run trains the tests' model 30 steps")
     widths = args.widths or ("16" if quick else "16/64/256")
     kinds = args.kinds or ("favor+" if quick else "favor+/favor#/elu")
+    others = args.others if args.others is not None else ("" if quick else "favor/favor++/hrf/simrf/relu")
     bands = args.bands if args.bands is not None else ("" if quick else "8")
     for flag, text in (("--widths", widths), ("--bands", bands)):
         if not all(part.isdigit() and int(part) > 0 for part in text.split("/") if part):
             raise ValueError(f"{flag} {text!r}: expected positive integers separated by '/'")
     if args.parallel < 1 or any(v is not None and v < 1 for v in (args.steps, args.pairs, args.batch)):
         raise ValueError("--parallel, --steps, --pairs and --batch must be positive")
-    spec = [f"seeds={seeds}", f"widths={widths}", f"kinds={kinds}", f"bands={bands}"]
+    spec = [f"seeds={seeds}", f"widths={widths}", f"kinds={kinds}"] + ([f"others={others}"] if others else [])
+    spec += [f"bands={bands}"]
     spec += ["runlocal"] if quick else [f"pairs={args.pairs or 4}", f"steps={args.steps or 1500}",
                                         f"batch={args.batch or 32}"]
     config = trained.config_path("mqar.py") + ":" + ",".join(spec)
@@ -106,14 +116,16 @@ def run(args):
         sizes[label] = state_numbers(c)
     asked = asked_settings(configlib.values("kinds", kinds, tuple(LABELS)),
                            sorted({int(w) for w in widths.split("/") if w}),
-                           [int(b) for b in bands.split("/") if b])
+                           [int(b) for b in bands.split("/") if b], configlib.values("others", others, tuple(LABELS)))
     return _report(settings, sizes, runs, config, seeds, asked, pairs=int(configlib.load(config).data.num_pairs))
 
 
-def asked_settings(kinds, widths, bands):
+def asked_settings(kinds, widths, bands, others=()):
     out = ["softmax"]
-    for k in kinds:
-        out += [LABELS[k]] if k in ("relu", "elu") else [f"{LABELS[k]} F={w}" for w in widths]
+    for k in list(kinds) + [k for k in others if k not in kinds]:
+        ws = widths if k in kinds else [widths[len(widths) // 2]]
+        name = LABELS[k] + ("" if getattr(attention.get(k), "positive", True) else " (qk l2)")
+        out += [name] if k in ("relu", "elu") else [f"{name} F={w}" for w in ws]
     out += [f"FAVOR+ F={widths[len(widths) // 2]} + band {b}" for b in bands if b > 0]
     return out
 
