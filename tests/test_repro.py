@@ -159,6 +159,13 @@ def test_listops_report_groups_the_settings_and_rates_them_by_hand_computed_z():
     assert f"{len(runs)} runs in {(60 * (len(runs) - 1) + 150) / 60:.0f} min of wall clock, 2 at a time" \
         in timed.notes[0] and "`configs/listops.py:seeds=3`" in timed.notes[0]
     assert "wall clock" not in rep.notes[0]                            # no records: no figure
+    # a sweep resumed a day later counts the time some run was going, not the pause between sessions
+    for i, r in enumerate(runs):
+        r.sweep_status = {"started": 1000.0 + 60 * i + (86_400 if i >= 3 else 0), "parallel": 2}
+        r.sweep_status["ended"] = r.sweep_status["started"] + 150
+    busy = (60 * 2 + 150) + (60 * (len(runs) - 4) + 150)
+    resumed = lk._report(settings, runs, "/x/configs/listops.py:seeds=3", "256", 3, 32, asked)
+    assert f"{len(runs)} runs in {busy / 60:.0f} min of wall clock" in resumed.notes[0], resumed.notes[0]
 
 
 def test_speech_report_labels_kinds_by_width_and_rates_wer_lower_is_better():

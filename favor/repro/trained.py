@@ -133,15 +133,19 @@ def run_sweep(config: str, workdir: Path, parallel: int, extra=()) -> list:
 
 
 def timing(runs) -> str:
-    """", N runs in M min of wall clock, K at a time": from the first run's start to the last run's end as
-    the launcher recorded them (sweep_status.json), so what the sweep cost whichever process later reads
-    it back; "" when a run lacks the record."""
+    """", N runs in M min of wall clock, K at a time": the time during which some run of the sweep was going,
+    from the starts and ends the launcher recorded (sweep_status.json), so what the sweep cost whichever
+    process later reads it back. A sweep resumed later does not count the pause between its sessions.
+    "" when a run lacks the record."""
     status = [r.sweep_status or {} for r in runs]
     if not runs or any(s.get("started") is None or s.get("ended") is None for s in status):
         return ""
-    wall = max(s["ended"] for s in status) - min(s["started"] for s in status)
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted((s["started"], s["ended"]) for s in status):
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
     parallel = max(int(s.get("parallel", 1)) for s in status)
-    return f", {len(runs)} runs in {wall / 60:.0f} min of wall clock, {parallel} at a time"
+    return f", {len(runs)} runs in {busy / 60:.0f} min of wall clock, {parallel} at a time"
 
 
 def final_metric(run, metric: str) -> float:
