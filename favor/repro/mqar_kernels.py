@@ -205,16 +205,17 @@ def _report(settings, sizes, runs, config, seeds, asked, pairs=None):
             ys = [100 * settings[label]["stat"].mean for _, label in members]
             sd = [100 * settings[label]["stat"].sd for _, label in members]
             ax_state.errorbar(xs, ys, yerr=sd, marker="o", capsize=3, color=colour[name], label=name)
-            for (width, label), x, y in zip(members, xs, ys):
+            for (width, label), x, y in zip(members if len(members) > 1 else [], xs, ys):   # one width: legend
                 ax_state.annotate(f"F={width}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
                                   color=colour[name])
         singles = [k for k in settings if k.split(" F=")[0] not in families or " + band " in k]
         markers = {"softmax": "*"}
+        shapes = "sD^v<>"                       # ELU and ReLU share a state size: distinct marks
         for j, label in enumerate(singles):
             stat = settings[label]["stat"]
             colour[label] = "black" if label == "softmax" else colours((len(families) + j) % 10)
             ax_state.errorbar([sizes[label]], [100 * stat.mean], yerr=[100 * stat.sd], capsize=3, ls="none",
-                              marker=markers.get(label, "s"), ms=12 if label == "softmax" else 7,
+                              marker=markers.get(label, shapes[j % len(shapes)]), ms=12 if label == "softmax" else 7,
                               color=colour[label], label=label)
         if pairs:
             ax_state.axhline(100 / pairs, color="grey", ls=":", lw=1,
