@@ -4,7 +4,6 @@ Tolerances are Z standard errors with Z = 5 and fixed seeds: deterministic, and 
 (a factor 2 in a variance, a missing weight) is many standard errors away.
 """
 
-import gc
 import os
 import shutil
 import subprocess
@@ -116,18 +115,6 @@ LONGEST = ("test_sharded_layouts_on_8_devices_match_one_device",
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST)}                  # longest first
     items.sort(key=lambda item: rank.get(getattr(item, "originalname", item.name), len(LONGEST)))
-
-
-def pytest_collection_finish(session):
-    """Python's cyclic garbage collector, tuned for a test process: the objects alive after collection
-    (jax, flax, the test modules) go to the permanent generation, so later collections do not walk them
-    again, and the youngest generation is collected every 20,000 allocations instead of 700, because
-    tracing and lowering allocate millions of short-lived objects and profiles of test_attention put the
-    collector among the largest items of the Python side. Only when memory is reclaimed changes, never
-    what a test computes."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
 
 
 def pytest_unconfigure(config):
