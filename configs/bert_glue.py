@@ -17,7 +17,8 @@ Hugging Face directory's vocab.txt (`init_from=hf:<dir>`); `vocab=<vocab.txt>` (
 `--config.data.tokenizer=wordpiece:<vocab.txt>`) overrides it. The model's sizes must be the source's
 (a mismatch is an error that names the source's sizes to set).
 
-Args: task=<cola|sst2|mrpc|qqp|stsb|mnli|qnli|rte|wnli>, vocab=<vocab.txt>, runlocal (the tiny model of
+Args: task=<cola|sst2|mrpc|qqp|stsb|mnli|qnli|rte|wnli|docorder> (docorder: favor's local sentence-order
+task on the docstrings, favor.data.docorder, built on first use), vocab=<vocab.txt>, runlocal (the tiny model of
 configs/bert_pretrain.py:runlocal, so the one continues as the other).
 """
 
@@ -27,7 +28,8 @@ from favor import configlib
 from favor.data.glue import FIELDS, NUM_LABELS
 
 TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb": 5749, "mnli": 392702,
-               "qnli": 104743, "rte": 2490, "wnli": 635}
+               "qnli": 104743, "rte": 2490, "wnli": 635,
+               "docorder": 8958}
 
 
 def get_config(arg=None):

@@ -20,6 +20,7 @@ GLUE_METRICS = {
     "qnli": ("accuracy",),
     "rte": ("accuracy",),
     "wnli": ("accuracy",),
+    "docorder": ("accuracy",),       # favor's local sentence-order task (favor.data.docorder)
 }
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from favor.data import tokenizers
-from favor.data.source import ArraySource, check_data_dir
+from favor.data import local, tokenizers
+from favor.data.source import ArraySource, check_data_dir, open_tfds, records, text
 
 FIELDS = {   # task -> (first text field, second or None, regression?)
     "cola": ("sentence", None, False), "sst2": ("sentence", None, False),
@@ -21,7 +21,10 @@ FIELDS = {   # task -> (first text field, second or None, regression?)
     "stsb": ("sentence1", "sentence2", True), "mnli": ("premise", "hypothesis", False),
     "qnli": ("question", "sentence", False), "rte": ("sentence1", "sentence2", False),
     "wnli": ("sentence1", "sentence2", False),
+    "docorder": ("sentence1", "sentence2", False),
 }
+# tasks favor generates (favor.data.local) instead of reading glue/<task>: task -> local corpus
+LOCAL = {"docorder": "docorder"}
 NUM_LABELS = {"mnli": 3, "stsb": 1}
 
 
@@ -39,6 +42,15 @@ def load_split(name: str, split: str, data_dir):
             f"--data_dir {where}` on a machine with internet access and copy the directory here, or set "
             f"data.data_dir to where it is ({type(e).__name__}: {str(e)[:160]})") from e
     rows = list(tfds.as_numpy(ds))
+    if not rows:
+        raise ValueError(f"{name} split {split!r} is empty")
+    return {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
+
+
+def load_local_split(name: str, split: str, data_dir):
+    """A split of a corpus favor prepared (array_record, favor.data.local) as a dict of numpy arrays."""
+    src = open_tfds(name, split, data_dir)
+    rows = records(src, range(len(src)))
     if not rows:
         raise ValueError(f"{name} split {split!r} is empty")
     return {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
@@ -63,14 +75,19 @@ class Glue(ArraySource):
                              "sentencepiece:<model>, or start from a model that brings one: model.init_from="
                              "run:<a favor run> (the tokenizer its run recorded) or hf:<dir with vocab.txt>")
         self.tokenizer = tokenizers.get(tokenizer)
-        self.train = self._encode(load_split(f"glue/{task}", "train", data_dir), max_examples)
-        self.eval = self._encode(load_split(f"glue/{task}", eval_split, data_dir), max_examples)
+        name, load = f"glue/{task}", load_split
+        if task in LOCAL:             # built on first use into the local cache, like the other corpora
+            data_dir = local.prepare(LOCAL[task], data_dir)
+            name, load = local.builder_name(LOCAL[task]), load_local_split
+        self.train = self._encode(load(name, "train", data_dir), max_examples)
+        self.eval = self._encode(load(name, eval_split, data_dir), max_examples)
 
     def _encode(self, raw, max_examples):
         first, second, _ = FIELDS[self.task]
         n = len(raw[first]) if not max_examples else min(len(raw[first]), int(max_examples))
-        text = lambda f: [t.decode("utf-8") for t in raw[f][:n]]
-        ids, types, mask = self.tokenizer.encode(text(first), text(second) if second else None, self.max_length)
+        strings = lambda f: [text(t) for t in raw[f][:n]]
+        ids, types, mask = self.tokenizer.encode(strings(first), strings(second) if second else None,
+                                                 self.max_length)
         label = raw["label"][:n].astype(np.float32 if self.regression else np.int32)
         return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask, "label": label}
 

@@ -9,6 +9,7 @@ name and data_dir differ. A corpus is built on first use (idempotent: a prepared
     python -m favor.data.local speech [--data_dir DIR]         # espeak-ng speech for the Conformer
     python -m favor.data.local speech --config hard            # longer, noisier, speed-perturbed speech
     python -m favor.data.local listops [--config 512]          # ListOps by LRA's rules
+    python -m favor.data.local docorder                        # sentence order of docstrings, GLUE-style
 
 The cache is $FAVOR_DATA_DIR, else ~/.cache/favor/tensorflow_datasets.
 """
@@ -24,6 +25,7 @@ CORPORA = {
     "docstrings": ("favor.data.docstrings", "favor_docstrings"),
     "speech": ("favor.data.espeak", "favor_speech"),
     "listops": ("favor.data.listops", "favor_listops"),
+    "docorder": ("favor.data.docorder", "favor_docstring_order"),
 }
 
 
