@@ -22,7 +22,7 @@ import re
 
 import tensorflow_datasets as tfds
 
-from favor.data.docstrings import docstrings, split_of, stdlib_files
+from favor.data.docstrings import of_split
 
 MIN_WORDS, MAX_WORDS = 3, 60
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -66,15 +66,11 @@ class FavorDocstringOrder(tfds.core.GeneratorBasedBuilder):
             homepage="https://docs.python.org/3/library/")
 
     def _split_generators(self, dl_manager):
-        files = stdlib_files()
-        return {split: self._generate_examples(files, split) for split in ("train", "validation")}
+        return {split: self._generate_examples(split) for split in ("train", "validation")}
 
-    def _generate_examples(self, files, split):
-        for module, path in files:
-            if split_of(module) != split:
-                continue
-            for name, doc in docstrings(module, path):
-                for i, first, second in pairs(doc):
-                    for label, (s1, s2) in ((1, (first, second)), (0, (second, first))):
-                        key = f"{name}#{i}{'' if label else '~'}"
-                        yield key, {"sentence1": s1, "sentence2": s2, "label": label, "idx": key}
+    def _generate_examples(self, split):
+        for name, doc in of_split(split):
+            for i, first, second in pairs(doc):
+                for label, (s1, s2) in ((1, (first, second)), (0, (second, first))):
+                    key = f"{name}#{i}{'' if label else '~'}"
+                    yield key, {"sentence1": s1, "sentence2": s2, "label": label, "idx": key}

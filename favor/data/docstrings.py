@@ -54,6 +54,13 @@ def split_of(module: str) -> str:
     return "validation" if h < 5 else "train"
 
 
+def of_split(split: str):
+    """(qualified name, docstring) of every docstring of the split's modules, in a stable order."""
+    for module, path in stdlib_files():
+        if split_of(module) == split:
+            yield from docstrings(module, path)
+
+
 class FavorDocstrings(tfds.core.GeneratorBasedBuilder):
     """Docstrings of the Python standard library, for offline MLM pretraining."""
 
@@ -66,12 +73,8 @@ class FavorDocstrings(tfds.core.GeneratorBasedBuilder):
             homepage="https://docs.python.org/3/library/")
 
     def _split_generators(self, dl_manager):
-        files = stdlib_files()
-        return {split: self._generate_examples(files, split) for split in ("train", "validation")}
+        return {split: self._generate_examples(split) for split in ("train", "validation")}
 
-    def _generate_examples(self, files, split):
-        for module, path in files:
-            if split_of(module) != split:
-                continue
-            for name, doc in docstrings(module, path):
-                yield name, {"title": name, "text": doc}
+    def _generate_examples(self, split):
+        for name, doc in of_split(split):
+            yield name, {"title": name, "text": doc}
