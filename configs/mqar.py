@@ -36,7 +36,8 @@ def _args(arg):
 def sweep(arg=None):
     """Recall against state size: softmax; each random-feature kind of `kinds` at every width F of `widths`
     (its state: F·(head dim + 2) numbers per head and layer) and each of `others` at the middle width only,
-    sign-indefinite kinds with queries and keys on the sphere (qk_norm=l2); ReLU/ELU once (F = head dim); FAVOR+ at the middle width with each exact band of `bands`; seed by seed."""
+    sign-indefinite kinds with queries and keys on the sphere (qk_norm=l2); ReLU/ELU once (F = head dim);
+    FAVOR+ at the middle width with each exact band of `bands`; seed by seed."""
     args = _args(arg)
     widths = sorted({int(w) for w in str(args.widths).split("/") if w})
     if not widths or min(widths) < 1 or int(args.seeds) < 1:

@@ -166,6 +166,12 @@ def test_listops_report_groups_the_settings_and_rates_them_by_hand_computed_z():
     busy = (60 * 2 + 150) + (60 * (len(runs) - 4) + 150)
     resumed = lk._report(settings, runs, "/x/configs/listops.py:seeds=3", "256", 3, 32, asked)
     assert f"{len(runs)} runs in {busy / 60:.0f} min of wall clock" in resumed.notes[0], resumed.notes[0]
+    # nested, overlapping and identical starts: the union of the intervals, 0-1,100 s and 5,000-5,060 s
+    from types import SimpleNamespace
+    spans = [(0, 1000), (100, 200), (900, 1100), (900, 950), (5000, 5060)]
+    timed = [SimpleNamespace(sweep_status={"started": a, "ended": b, "parallel": 1}) for a, b in spans]
+    assert trained.timing(timed) == ", 5 runs in 19 min of wall clock, 1 at a time"
+    assert trained.timing(timed[:2]) == ", 2 runs in 17 min of wall clock, 1 at a time"   # 1,000 s, not 1,100
 
 
 def test_speech_report_labels_kinds_by_width_and_rates_wer_lower_is_better():
@@ -465,3 +471,11 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
         "softmax", "FAVOR+ F=16", "FAVOR+ F=64", "FAVOR+ F=256", "ELU", "HRF (qk l2) F=64", "ReLU", "FAVOR+ F=64 + band 8"]
     hrf = _fake_run("h", "hrf", 0, 0.3, **{"model.attention.num_features": 64, "model.attention.qk_norm": "l2"})
     assert mk._label(hrf) == "HRF (qk l2) F=64"
+    # the sweep's runs carry exactly the labels the report asks for (kinds, others, bands, l2 on trig/HRF)
+    from types import SimpleNamespace
+    from favor import sweeps
+    spec = f"{path}:seeds=1,kinds=favor/elu/favor+,others=hrf/relu/favor+/simrf,widths=8/32/128,bands=4"
+    labels = sorted(mk._label(SimpleNamespace(settings=r.overrides)) for r in sweeps.load(spec))
+    assert labels == sorted(mk.asked_settings(("favor", "elu", "favor+"), [8, 32, 128], [4],
+                                              ("hrf", "relu", "favor+", "simrf")))
+    assert "trig (qk l2) F=128" in labels and "HRF (qk l2) F=32" in labels and "FAVOR+ F=32 + band 4" in labels

@@ -6,14 +6,15 @@ Each example is two consecutive sentences of one docstring, in their order (labe
 exactly balanced (a constant guess scores 50 %) and the two examples of a pair hold the same tokens:
 a count of tokens cannot tell them apart. A model without token mixing keeps cues of one segment
 alone (a sentence that opens with "Otherwise" rarely comes first); the rest takes relating the two
-sentences' contents, which is what attention does. It comes from the corpus the local BERT source pretrains on
-(`favor_docstrings`), with the same split by module, so validation pairs come from modules neither the
-pretraining nor the fine-tuning saw.
+sentences' contents, which is what attention does. It comes from the corpus the local BERT source
+pretrains on (`favor_docstrings`), with the same split by module, so validation pairs come from
+modules neither the pretraining nor the fine-tuning saw.
 
-Sentences: a docstring's paragraphs (blank-line separated; paragraphs that look like code, doctest or
-field lists are dropped) joined into text and cut after '.', '!' or '?' followed by a space and an
-upper-case letter. A pair is two consecutive sentences of one paragraph, kept when both have 3-60
-words. The dataset is the same on every machine with the same Python.
+Sentences: a docstring's paragraphs (blank-line separated; paragraphs that look like code, doctest,
+field or bullet lists, directives or sections such as "Args:" are dropped) joined into text and cut
+after '.', '!' or '?' followed by a space and an upper-case letter (not after "e.g." and the like). A
+pair is two consecutive sentences of one paragraph, kept when both have 3-60 words. A validation pair
+that is also a training pair (sibling modules repeat docstrings) is dropped. The dataset is the same on every machine with the same Python.
 """
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ import tensorflow_datasets as tfds
 from favor.data.docstrings import of_split
 
 MIN_WORDS, MAX_WORDS = 3, 60
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
-_NOT_PROSE = re.compile(r"^(>>>|\.\.\.|:\w|[-=*~^]{3,}|\$ )")
+# a sentence ends at . ! ? before a space and a capital, but not after the abbreviations docstrings use
+_SENTENCE_END = re.compile(r"(?<!\be\.g\.)(?<!\bi\.e\.)(?<!\betc\.)(?<!\bvs\.)(?<!\bcf\.)(?<=[.!?])\s+(?=[A-Z])")
+# lines that make a paragraph something other than prose: doctest, reST fields, directives and rules,
+# bullets and numbered items, shell prompts, section headers ("Args:", "Returns:")
+_NOT_PROSE = re.compile(r"^(>>>|\.\.\.|\.\. |:\w|[-=*~^]{3,}|[-*+] |\d+[.)] |\$ |\w+( \w+)?:$)")
 
 
 def paragraphs(doc: str) -> list[list[str]]:
     """The prose paragraphs of a docstring, each as its sentences in order."""
     out = []
     for para in re.split(r"\n\s*\n", doc):
-        lines = [ln.strip() for ln in para.splitlines()]
-        if not lines or any(_NOT_PROSE.match(ln) for ln in lines) or para.startswith((" ", "\t")):
+        raw = [ln for ln in para.splitlines() if ln.strip()]
+        # an indented line is code or the body of a list or section (docstrings come dedented)
+        if not raw or any(_NOT_PROSE.match(ln.strip()) or ln[:1].isspace() for ln in raw):
             continue
         text = " ".join(para.split())                   # one space between words, as the tokenizer sees it
         out.append([s.strip() for s in _SENTENCE_END.split(text) if s.strip()])
@@ -66,11 +71,16 @@ class FavorDocstringOrder(tfds.core.GeneratorBasedBuilder):
             homepage="https://docs.python.org/3/library/")
 
     def _split_generators(self, dl_manager):
-        return {split: self._generate_examples(split) for split in ("train", "validation")}
+        # sibling modules repeat docstrings (posixpath / ntpath): a validation pair whose two sentences
+        # also make a training pair is dropped, so no validation example was seen in training
+        seen = {(a, b) for _, doc in of_split("train") for _, a, b in pairs(doc)}
+        return {"train": self._generate_examples("train"), "validation": self._generate_examples("validation", seen)}
 
-    def _generate_examples(self, split):
+    def _generate_examples(self, split, seen=frozenset()):
         for name, doc in of_split(split):
             for i, first, second in pairs(doc):
+                if (first, second) in seen:
+                    continue
                 for label, (s1, s2) in ((1, (first, second)), (0, (second, first))):
                     key = f"{name}#{i}{'' if label else '~'}"
                     yield key, {"sentence1": s1, "sentence2": s2, "label": label, "idx": key}
