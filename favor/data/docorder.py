@@ -14,7 +14,8 @@ Sentences: a docstring's paragraphs (blank-line separated; paragraphs that look 
 field or bullet lists, directives or sections such as "Args:" are dropped) joined into text and cut
 after '.', '!' or '?' followed by a space and an upper-case letter (not after "e.g." and the like). A
 pair is two consecutive sentences of one paragraph, kept when both have 3-60 words. A validation pair
-that is also a training pair (sibling modules repeat docstrings) is dropped. The dataset is the same on every machine with the same Python.
+that is also a training pair (sibling modules repeat docstrings) is dropped. The dataset is the same
+on every machine with the same Python.
 """
 
 from __future__ import annotations
