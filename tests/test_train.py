@@ -336,7 +336,7 @@ def test_progress_rates_the_window_between_reports_and_skips_the_first_call(monk
     assert progress(1) is False                                                       # t = 10: the start
     assert progress(2) is False                                                       # t = 11
     assert progress(3) is True and progress.steps_per_second == pytest.approx(2 / 4)  # t = 14: 2 steps in 4 s
-    with progress.timed("eval"):                                                      # 15 → 17
+    with progress.timed("eval"):        # the fake clock reads 15 on entry and 17 on exit: 2 s of eval
         pass
     assert progress(4) is False and progress(6) is True                               # t = 19: 3 steps in 5 s
     assert progress.steps_per_second == pytest.approx(3 / 5)

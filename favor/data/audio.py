@@ -8,9 +8,9 @@ mean/variance normalisation, and SpecAugment. Numpy in, numpy out.
 The STFT is numpy's real FFT over periodic-Hann frames and the filterbank the HTK-mel triangles of
 `tf.signal.linear_to_mel_weight_matrix` (the tests check both against TensorFlow's), run once per batch
 of utterances; numpy rather than TensorFlow because importing TensorFlow costs each training process
-seconds of start-up. Parameters are the usual ASR front end (Conformer, Gulati et al. 2020: 80 filterbank channels,
-25 ms window, 10 ms stride); the band is 20 Hz - 8 kHz (Kaldi's default edges at 16 kHz: the whole band
-up to Nyquist).
+seconds of start-up. Parameters are the usual ASR front end (Conformer, Gulati et al. 2020: 80
+filterbank channels, 25 ms window, 10 ms stride); the band is 20 Hz - 8 kHz (Kaldi's default edges at
+16 kHz: the whole band up to Nyquist).
 """
 
 from __future__ import annotations

@@ -41,16 +41,16 @@ def load_split(name: str, split: str, data_dir):
             f"TFDS dataset {name} (split {split!r}) is not prepared in {where}: run `tfds build {name} "
             f"--data_dir {where}` on a machine with internet access and copy the directory here, or set "
             f"data.data_dir to where it is ({type(e).__name__}: {str(e)[:160]})") from e
-    rows = list(tfds.as_numpy(ds))
-    if not rows:
-        raise ValueError(f"{name} split {split!r} is empty")
-    return {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
+    return _columns(list(tfds.as_numpy(ds)), name, split)
 
 
 def load_local_split(name: str, split: str, data_dir):
     """A split of a corpus favor prepared (array_record, favor.data.local) as a dict of numpy arrays."""
     src = open_tfds(name, split, data_dir)
-    rows = records(src, range(len(src)))
+    return _columns(records(src, range(len(src))), name, split)
+
+
+def _columns(rows: list, name: str, split: str) -> dict:
     if not rows:
         raise ValueError(f"{name} split {split!r} is empty")
     return {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
