@@ -43,7 +43,10 @@ def test_bad_tokenizer_specs(vocab_file, tmp_path):
 
 
 @pytest.mark.parametrize("task", sorted(glue.FIELDS))
-def test_every_glue_task_through_the_tfds_builder(task, vocab_file):
+def test_every_glue_task_through_the_tfds_builder(task, vocab_file, tmp_path, monkeypatch):
+    # favor's local tasks are "built" (mocked here) into FAVOR_DATA_DIR: a directory of the test's own, so
+    # the test neither touches the user's cache nor depends on another test having created it
+    monkeypatch.setenv("FAVOR_DATA_DIR", str(tmp_path / "favor_data"))
     with tfds.testing.mock_data(num_examples=21, policy=tfds.testing.MockPolicy.USE_CODE):
         source = data.get({"name": "glue", "task": task, "tokenizer": f"wordpiece:{vocab_file}", "max_length": 48,
                            "buckets": (16, 32)})

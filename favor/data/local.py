@@ -52,6 +52,9 @@ def prepare(corpus: str, data_dir=None, config: str | None = None) -> str:
     except ValueError as e:       # an unknown config: TFDS's message lists the valid ones
         raise ValueError(f"local corpus {corpus!r}: {e}") from e
     builder.download_and_prepare()           # a no-op when the prepared version is present
+    # the corpus's directory exists once prepared, whatever the builder wrote (a mocked build writes
+    # nothing): readers treat a data_dir that does not exist as a mistake in the config
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
     return data_dir
 
 
