@@ -2,9 +2,8 @@
 
     python train.py --config configs/bert_glue.py:task=sst2 --workdir runs/glue-sst2 \\
         --config.model.init_from=hf:/ckpt/bert-base-uncased --config.model.attention.kind=favor++
-    python train.py --config configs/bert_glue.py:task=sst2 --workdir runs/glue-sst2-local \\
-        --config.model.init_from=run:runs/bert-local --config.model.preset=mini \\
-        --config.model.vocab_size=4000 --config.model.max_positions=128     # from configs/bert_pretrain.py:data=local
+    python train.py --config configs/bert_glue.py:task=docorder,local --workdir runs/docorder \\
+        --config.model.init_from=run:runs/bert-local              # from configs/bert_pretrain.py:data=local
 
 Model sizes are CRT Table 4's base model (12 layers, 12 heads, 768 hidden, M = 256 features, dropout
 and attention dropout 0.1); fine-tuning follows the BERT paper (Adam, lr 2e-5, batch 32, 3 epochs,
@@ -19,13 +18,29 @@ Hugging Face directory's vocab.txt (`init_from=hf:<dir>`); `vocab=<vocab.txt>` (
 
 Args: task=<cola|sst2|mrpc|qqp|stsb|mnli|qnli|rte|wnli|docorder> (docorder: favor's local sentence-order
 task on the docstrings, favor.data.docorder, built on first use), vocab=<vocab.txt>, runlocal (the tiny model of
-configs/bert_pretrain.py:runlocal, so the one continues as the other).
+configs/bert_pretrain.py:runlocal, so the one continues as the other), local (the model of
+configs/bert_pretrain.py:data=local, with a learning rate for its size), steps=<K> (the budget instead of 3
+epochs; evaluations at each fifth of it).
+
+`sweep()` yields each kind of `kinds` (kind specs, kind[:variant]: favor#:saderf) × `seeds` seeds;
+uptraining a softmax source as every kind (`python -m favor.repro uptrain-kernels` runs and rates it):
+
+    python launch/sweep_local.py --workdir runs/uptrain-docorder \
+        --config configs/bert_glue.py:task=docorder,local,steps=300,kinds=softmax/favor+/favor++ \
+        -- --config.model.init_from=run:runs/bert-local
 """
 
 import ml_collections
 
-from favor import configlib
+from favor import configlib, sweeps
 from favor.data.glue import FIELDS, NUM_LABELS
+
+# the sweep's axes (get_config ignores them)
+SWEEP_ARGS = dict(seeds=3, kinds="softmax/favor+/favor++/favor#:saderf/favor#:sderf/elu/relu")
+
+
+def _args(arg):
+    return configlib.parse_arg(arg, task="sst2", vocab="", runlocal=False, local=False, steps=0, **SWEEP_ARGS)
 
 TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb": 5749, "mnli": 392702,
                "qnli": 104743, "rte": 2490, "wnli": 635,
@@ -33,7 +48,10 @@ TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb":
 
 
 def get_config(arg=None):
-    args = configlib.parse_arg(arg, task="sst2", vocab="", runlocal=False)
+    # one config is one run: the sweep's args are ignored here
+    args = _args(arg)
+    if args.runlocal and args.local:
+        raise ValueError("runlocal and local are two model sizes: give one")
     task = configlib.choice("task", args.task, tuple(FIELDS))
     c = configlib.run_config(total_steps=max(1, 3 * TRAIN_SIZES[task] // 32), batch_size=32, eval_batch_size=128,
                              every=2000)
@@ -50,6 +68,12 @@ def get_config(arg=None):
     c.model.attention = configlib.attention("favor++", num_features=256)
     c.optim = configlib.optim(lr=2e-5, schedule="linear", warmup_steps=c.total_steps // 10, weight_decay=0.01,
                               eps=1e-6)
+    if args.local:
+        # the local pretraining's model (its sizes must be the source's); a small model fine-tunes at a
+        # higher rate than BERT-base's 2e-5 (the BERT paper's small models: 1e-4 and up)
+        c.model.preset, c.model.vocab_size, c.model.max_positions = "local", 1000, 128
+        c.model.attention.num_features = 64
+        c.optim.lr = 1e-4
     if args.runlocal:
         c.model.preset = "tiny"
         c.model.vocab_size, c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim = 400, 32, 1, 2, 64
@@ -59,4 +83,19 @@ def get_config(arg=None):
         c.total_steps, c.batch_size, c.eval_batch_size = 12, 8, 16
         c.checkpoint_every, c.eval_every, c.log_every = 6, 12, 3
         c.optim.lr, c.optim.warmup_steps = 1e-3, 2
+    if args.steps:
+        if args.steps < 0:
+            raise ValueError(f"steps={args.steps}: expected a positive number of steps")
+        c.total_steps = int(args.steps)
+        c.optim.warmup_steps = max(1, c.total_steps // 10)
+        # five evaluations, the last at the final step
+        c.eval_every = c.checkpoint_every = -(-c.total_steps // 5)
     return c
+
+
+def sweep(arg=None):
+    """Every kind of `kinds` (kind specs) × `seeds` seeds, seed by seed (favor.sweeps.seed_by_seed)."""
+    args = _args(arg)
+    if int(args.seeds) < 1:
+        raise ValueError(f"seeds={args.seeds}: expected 1 or more")
+    yield from sweeps.seed_by_seed(sweeps.kind_settings("kinds", args.kinds), range(int(args.seeds)))

@@ -17,6 +17,7 @@ in under 5 minutes on 2 CPU cores (see README for the measured figure and the so
     configs/default.py:seeds=3           three seeds per kind (get_config ignores the sweep's args)
     configs/default.py:seeds=3,qk_norms=none/l2   every kind with and without queries and keys on a sphere
     configs/default.py:kinds=favor+/hrf,redraws=step/fixed/every:100,qk_norm=l2   the redraw study
+    configs/default.py:kinds=favor#:sderf/favor#:saderf   kinds as specs, kind[:variant][@window]
 
 A sweep arg's list separates its values by "/" ("," separates the args, and "+" is in kind names).
 """
@@ -78,8 +79,9 @@ def sweep(arg=None):
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    kinds = configlib.values("kinds", args.kinds, KINDS) or KINDS
-    axes = {"model.attention.kind": kinds}
+    # each kind as its spec (favor#:saderf sets FAVOR#'s variant; favor.attention.parse_spec)
+    kinds = sweeps.kind_settings("kinds", args.kinds or "/".join(KINDS))
+    axes = {}
     if args.qk_norms:
         norms = configlib.values("qk_norms", args.qk_norms, ("none",) + tuple(n for n in qknorm.NORMS if n))
         axes["model.attention.qk_norm"] = tuple("" if q == "none" else q for q in norms)
@@ -88,4 +90,6 @@ def sweep(arg=None):
         for spec in axes["model.attention.redraw"]:
             schedule.parse(spec)            # a bad one fails the sweep here, not each of its runs later
     axes["seed"] = tuple(range(int(args.seeds)))
-    yield from sweeps.product(axes)
+    for kind in kinds:
+        for rest in sweeps.product(axes):
+            yield {**kind, **rest}

@@ -61,7 +61,10 @@ def test_arg_strings_parse_into_the_types_of_the_defaults():
 def test_kind_options_in_the_arg_reach_the_attention_block():
     block = default.get_config("kind=hrf,lambda_=gaussian,importance_sampling=True").model.attention
     assert block.kind == "hrf" and block.lambda_ == "gaussian" and block.importance_sampling is True
-    assert "variant" not in block and "antithetic" not in block     # unnamed: each kind keeps its default
+    assert "antithetic" not in block                                 # unnamed: each kind keeps its default
+    assert block.variant == "" and attention.block_options(block).get("variant") is None
+    sharp = default.get_config("kind=favor#").model.attention        # an empty variant: FAVOR#'s own (SDERF)
+    assert attention.get(**qknorm.split(attention.block_options(sharp))[0]).options["variant"] == "sderf"
 
 
 def test_one_optimizer_block():

@@ -21,6 +21,7 @@ COLUMNS = {
     "listops-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "seeds"],
     "speech-kernels": ["setting", "WER (%)", "Δ vs softmax (± SE)", "seeds"],
     "mqar-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "state (numbers)", "seeds"],
+    "uptrain-kernels": ["model", "setting", "day 0 (%)", "after K steps (%)", "Δ vs softmax after K (± SE)", "seeds"],
 }
 
 
@@ -44,7 +45,7 @@ def test_every_registered_reproduction_is_tested():
 # the reproductions that train (a sweep of train.py runs under <out>/runs), each with words its quick
 # report's comparisons must hold
 TRAINED = {"listops-kernels": "LRA Table 1", "speech-kernels": "task check: softmax below the weakest",
-           "mqar-kernels": "Zoology: attention solves MQAR"}
+           "mqar-kernels": "Zoology: attention solves MQAR", "uptrain-kernels": "task check: the softmax source"}
 
 
 @pytest.mark.parametrize("name", sorted(COLUMNS))
@@ -67,13 +68,16 @@ def test_quick_run_writes_a_checked_report(name, tmp_path, capsys, monkeypatch):
     if name in TRAINED:
         assert any(TRAINED[name] in text for text, _ in data["comparisons"]), data["comparisons"]
         # every run trained on something: a batch whose rows were all dropped has loss 0
-        losses = [json.loads(p.read_text())["train_loss"] for p in (out / "runs").glob("*/summary.json")]
+        losses = [json.loads(p.read_text())["train_loss"] for p in (out / "runs").rglob("summary.json")]
         assert losses and all(loss > 0 for loss in losses), losses
-        # a second call reuses the finished sweep: every run skipped, nothing retrained, the same figures
-        runs = json.loads((out / "runs" / "sweep.json").read_text())["runs"]
+        # a second call reuses the finished sweeps (one, or a source and its uptraining): every run
+        # skipped, nothing retrained, the same figures
+        listings = sorted((out / "runs").rglob("sweep.json"))
+        runs = {p.parent: json.loads(p.read_text())["runs"] for p in listings}
         assert main([name, "--quick", "--out", str(out)]) == 0
-        log = (out / "runs" / "sweep.log").read_text().split("### ")[-1]
-        assert log.count("finished already; skipped") == len(runs) and "started run" not in log, log
+        for where, listed in runs.items():
+            log = (where / "sweep.log").read_text().split("### ")[-1]
+            assert log.count("finished already; skipped") == len(listed) and "started run" not in log, log
         assert json.loads((out / f"{name}.json").read_text())["figures"] == data["figures"]
 
 
@@ -261,9 +265,15 @@ def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, caps
     one = listops + ":runlocal,kinds=softmax,seeds=2,band=0,floor=False"
     with pytest.raises(trained.SweepError, match=r"did not finish.*kind=softmax_seed=0: failed.*Rerun the same"):
         trained.run_sweep(one, tmp_path / "fails", parallel=2, extra=["--config.model.attention.kind=nope"])
-    # a workdir that holds another config's sweep is never mixed into this one
+    # a workdir that holds another config's sweep, or the same config's with other flags, is never mixed
+    # into this one
     with pytest.raises(trained.SweepError, match=r"holds the sweep of another config"):
         trained.run_sweep(one.replace("seeds=2", "seeds=3"), tmp_path / "fails", parallel=1)
+    with pytest.raises(trained.SweepError, match=r"holds the sweep of another config .*kind=nope\); this one is"):
+        trained.run_sweep(one, tmp_path / "fails", parallel=1, extra=["--config.total_steps=3"])
+    for bad in (["--sides", "vit/gpt"], ["--seeds", "1"], ["--vit-steps", "5"]):
+        assert main(["uptrain-kernels", "--quick", *bad, "--out", str(tmp_path / "o")]) == 2
+        assert bad[1] in capsys.readouterr().err, bad
 
 
 def test_interrupted_write_leaves_no_report(tmp_path, monkeypatch):
@@ -479,3 +489,54 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
     assert labels == sorted(mk.asked_settings(("favor", "elu", "favor+"), [8, 32, 128], [4],
                                               ("hrf", "relu", "favor+", "simrf")))
     assert "trig (qk l2) F=128" in labels and "HRF (qk l2) F=32" in labels and "FAVOR+ F=32 + band 4" in labels
+
+
+def test_uptrain_report_reads_day_0_at_step_0_and_rates_each_side_by_hand_computed_z():
+    """uptrain-kernels on made-up finished runs: day 0 is each run's step-0 evaluation and "after K" its
+    final one, FAVOR#'s variant names the setting (no variant: SDERF), each claim's z is the hand-computed
+    Welch figure, and a BERT source below 30 % masked-token accuracy fails its check."""
+    import numpy as np
+    from favor.repro import trained, uptrain_kernels as uk
+    from favor.tools.report import RunRecord
+
+    def run(kind, seed, day0, final, variant=None):
+        config = {"model.attention.kind": kind, "seed": seed, "total_steps": 300}
+        if variant is not None:
+            config["model.attention.variant"] = variant
+        return RunRecord(f"{kind}{variant}{seed}", None, config=config, status="finished", step=300,
+                         summary={"step": 300, "accuracy": final, "steps_per_second": 4.0},
+                         curves={"eval/accuracy": [(0, day0), (150, (day0 + final) / 2), (300, final)]})
+
+    figures = {("softmax", None): ((0.95, 0.95, 0.95), (0.96, 0.97, 0.965)),
+               ("favor+", None): ((0.30, 0.45, 0.38), (0.88, 0.91, 0.90)),
+               ("favor++", None): ((0.55, 0.60, 0.62), (0.95, 0.96, 0.955)),
+               ("favor#", "saderf"): ((0.50, 0.52, 0.40), (0.94, 0.95, 0.96)),
+               ("favor#", ""): ((0.93, 0.94, 0.95), (0.96, 0.96, 0.97))}
+    runs = [run(k, s, d, f, v) for (k, v), (day0, final) in figures.items() for s, (d, f) in enumerate(zip(day0, final))]
+    settings = trained.by_setting(runs, uk._label, "accuracy")
+    assert list(settings) == ["softmax", "FAVOR+", "FAVOR++", "FAVOR# (SADERF)", "FAVOR# (SDERF)"]
+
+    def source(value):
+        return RunRecord("src", None, config={}, status="finished", step=3000,
+                         summary={"step": 3000, "accuracy": value}, curves={})
+
+    side = {"source": ("/c/configs/default.py:seeds=1,kinds=softmax", []), "steps": 300, "metric": "accuracy",
+            "uptrain": ("/c/configs/default.py:seeds=3,kinds=x", ["--config.total_steps=300"]), "seeds": 3,
+            "asked": list(settings), "source_run": source(0.96), "runs": runs, "settings": settings}
+    rep = uk._report({"vit": side, "bert": {**side, "source_run": source(0.25)}})
+    row = next(r for r in rep.rows if r[:2] == ["digits ViT", "FAVOR++"])
+    assert row[2] == "59.0 ± 3.6" and row[3] == "95.5 ± 0.5"
+    pp, p = np.array(figures[("favor++", None)][1]), np.array(figures[("favor+", None)][1])   # after K
+    z = (pp.mean() - p.mean()) / np.sqrt(np.var(pp, ddof=1) / 3 + np.var(p, ddof=1) / 3)
+    claim = next((t, v) for t, v in rep.comparisons if t.startswith("digits ViT, after 300 steps: FAVOR++"))
+    assert f"(z = {z:.1f})" in claim[0] and claim[1] == "agrees", claim
+    # FAVOR# Table 1 is a GLUE claim: rated on both, named as the paper's on the BERT side only
+    sharp = [t for t, _ in rep.comparisons if "FAVOR# (SADERF)" in t and "> FAVOR+ (" in t and "after" in t]
+    assert len(sharp) == 2 and sum("here on the digits ViT" in t for t in sharp) == 1
+    checks = dict(rep.checks)
+    assert [ok for claim, ok in rep.checks if "masked-token" in claim] == [False]
+    assert all(ok for claim, ok in checks.items() if "masked-token" not in claim)
+    incomplete = uk._report({"vit": {**side, "asked": list(settings) + ["ELU"]}})
+    assert incomplete.checks[0][1] is False
+    with pytest.raises(trained.SweepError, match="no step-0"):
+        uk.day0(_fake_run("x", "favor+", 0, 0.5), "accuracy")

@@ -77,6 +77,44 @@ def test_sweep_lists_keep_kind_names_with_plus_signs():
         "kind=softmax_seed=1", "kind=favor+_seed=1", "kind=favor++_window=16_seed=1", "num_layers=0_pool=mean_seed=1"]
 
 
+def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_config():
+    """A sweep's kinds are kind specs (kind[:variant][@window]): 'favor#:saderf' is FAVOR# with its variant set,
+    and every run of the sweeps that take specs (the digits ViT, the GLUE fine-tuning, the BERT pretraining)
+    applies to its config and validates as train.py would, with the variant reaching the attention layer's
+    options; FAVOR# without a variant keeps its own (SDERF)."""
+    from favor import attention, configlib
+    spec = str(ROOT / "configs/default.py") + ":seeds=1,kinds=favor+/favor#:saderf/favor#/hrf:gaussian/favor+@8"
+    assert [r.overrides for r in sweeps.load(spec)] == [
+        {"model.attention.kind": "favor+", "seed": 0},
+        {"model.attention.kind": "favor#", "model.attention.variant": "saderf", "seed": 0},
+        {"model.attention.kind": "favor#", "seed": 0},
+        {"model.attention.kind": "hrf", "model.attention.lambda_": "gaussian", "seed": 0},
+        {"model.attention.kind": "favor+", "model.attention.window": 8, "seed": 0}]
+    for config_spec in (spec, str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=300,seeds=2",
+                        str(ROOT / "configs/bert_pretrain.py") + ":data=local,seeds=1,kinds=softmax/favor#:saderf"):
+        options = []
+        for run in sweeps.load(config_spec):
+            config = configlib.load(config_spec)
+            for key, value in run.overrides.items():
+                configlib.apply_flag(config, f"{key}={value}")
+            configlib.validate(config)
+            options.append(attention.block_options(config.model.attention))
+        kinds = [(o["kind"], o.get("variant")) for o in options]
+        assert ("favor#", "saderf") in kinds, (config_spec, kinds)
+        assert all(v is None for k, v in kinds if k != "favor#")          # the option only where it is taken
+    assert {(o["kind"], o.get("variant"), o.get("lambda_")) for o in options} == {("softmax", None, None),
+                                                                              ("favor#", "saderf", None)}
+    glue = sweeps.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,seeds=2")
+    assert len(glue) == 2 * 7 and [r.overrides["seed"] for r in glue] == [0] * 7 + [1] * 7
+    assert configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=300").eval_every == 60
+    for bad, match in (("kinds=favor#:nope", r"kinds: .*variant.*'nope'"), ("kinds=favor+:x", r"kinds: 'favor\+' has no variant"),
+                       ("kinds=", "kinds: an empty list"), ("kinds=fav", r"kinds: unknown 'fav'")):
+        with pytest.raises(ValueError, match=match):
+            sweeps.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder," + bad)
+    with pytest.raises(ValueError, match="runlocal and local"):
+        configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,runlocal")
+
+
 # -- launch/sweep_local.py on real runs -----------------------------------------------------------------
 SWEEP_CONFIG = """
 import os, sys

@@ -9,8 +9,8 @@
 
 from favor.attention.dropin import attention_fn
 from favor.attention.kinds import Attention, RandomFeatureAttention, RandomFeatureContext
-from favor.attention.registry import (block_options, block_redraw, get, ignored_block_options, names,
-                                      parse_spec)
+from favor.attention.registry import (SPEC_OPTIONS, block_options, block_redraw, get, ignored_block_options,
+                                      names, parse_spec)
 
-__all__ = ["Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn", "block_options",
+__all__ = ["SPEC_OPTIONS", "Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn", "block_options",
            "block_redraw", "get", "ignored_block_options", "names", "parse_spec"]

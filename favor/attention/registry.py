@@ -8,7 +8,10 @@ from favor.attention.kinds import KINDS
 from favor.registry import Registry
 
 REGISTRY = Registry("attention kind", {cls.name: cls for cls in KINDS})
-OWN_DEFAULT = ("coupling", "redraw")      # block keys whose empty value means "the kind's own"
+# the option each kind's spec variant sets (FAVOR#'s variant, HRF's lambda_, SimRF's features): in every
+# config's attention block, so that a sweep or a flag can set it on the runs of the kind that takes it
+SPEC_OPTIONS = tuple(dict.fromkeys(cls.SPEC_OPTION for cls in KINDS if cls.SPEC_OPTION))
+OWN_DEFAULT = ("coupling", "redraw", *SPEC_OPTIONS)      # block keys whose empty value means "the kind's own"
 
 
 names = REGISTRY.names      # every attention kind
@@ -46,7 +49,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 def block_options(block) -> dict:
     """A config's attention block (configlib.attention) as `get` keywords: only the options the chosen
-    kind takes, plus the layer's qk_norm, and no empty `coupling` or `redraw` (the kind's own).
+    kind takes, plus the layer's qk_norm, and no empty `coupling`, `redraw` or spec option (the kind's own).
     `ignored_block_options` names what was left out."""
     options = {k: v for k, v in dict(block).items() if not (k in OWN_DEFAULT and not v)}
     kind = options.get("kind")

@@ -26,6 +26,7 @@ REGISTRY = Registry("reproduction", {
     "listops-kernels": "favor.repro.listops_kernels",
     "speech-kernels": "favor.repro.speech_kernels",
     "mqar-kernels": "favor.repro.mqar_kernels",
+    "uptrain-kernels": "favor.repro.uptrain_kernels",
 })
 
 names = REGISTRY.names

@@ -96,17 +96,18 @@ def config_path(name: str) -> str:
 
 def run_sweep(config: str, workdir: Path, parallel: int, extra=()) -> list:
     """Runs the sweep of `config` ("path.py:arg") in `workdir` with launch/sweep_local.py and returns its
-    runs (favor.tools.report records). The launcher's output goes to <workdir>/sweep.log. A workdir that
-    holds another config's sweep, a launcher that fails before any run starts, or a run that fails or
+    runs (favor.tools.report records); `extra` flags go to every run. The launcher's output goes to
+    <workdir>/sweep.log. A workdir that holds another config's sweep (or the same with other flags), a launcher that fails before any run starts, or a run that fails or
     stops is a SweepError naming it: a reproduction never rates a partial or mixed sweep (rerunning the
     same command resumes it)."""
     workdir = Path(workdir)
     listing = workdir / "sweep.json"
     if listing.exists():
-        previous = json.loads(listing.read_text()).get("config")
-        if previous != config:
-            raise SweepError(f"{workdir} holds the sweep of another config ({previous}); this one is {config}: "
-                             "give another --workdir, or remove that one")
+        previous = json.loads(listing.read_text())
+        if previous.get("config") != config or previous.get("extra", []) != list(extra):
+            was = " ".join([str(previous.get("config")), *previous.get("extra", [])])
+            raise SweepError(f"{workdir} holds the sweep of another config ({was}); this one is "
+                             f"{' '.join([config, *extra])}: give another --workdir, or remove that one")
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "launch" / "sweep_local.py"), "--config", config, "--workdir", str(workdir),
            "--parallel", str(parallel)] + (["--", *extra] if extra else [])
