@@ -69,11 +69,12 @@ def get_config(arg=None):
     c.optim = configlib.optim(lr=2e-5, schedule="linear", warmup_steps=c.total_steps // 10, weight_decay=0.01,
                               eps=1e-6)
     if args.local:
-        # the local pretraining's model (its sizes must be the source's); a small model fine-tunes at a
-        # higher rate than BERT-base's 2e-5 (the BERT paper's small models: 1e-4 and up)
+        # the local pretraining's model (its sizes must be the source's); a model this small fine-tunes at
+        # a higher rate than BERT-base's 2e-5: from a softmax source at 19 % masked-token accuracy, 500 steps
+        # of docorder reached 63.5 % at 3e-4 against 57.3 % at 1e-4 (one run each)
         c.model.preset, c.model.vocab_size, c.model.max_positions = "local", 1000, 128
         c.model.attention.num_features = 64
-        c.optim.lr = 1e-4
+        c.optim.lr = 3e-4
     if args.runlocal:
         c.model.preset = "tiny"
         c.model.vocab_size, c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim = 400, 32, 1, 2, 64

@@ -28,8 +28,9 @@ from favor import attention, configlib, sweeps
 from favor.attention import qknorm, schedule
 
 KINDS = attention.names()          # every registered kind, in the registry's order
-# kind-specific attention options: empty / False means "the kind's own default" (only options the arg
-# names go into the attention block, so e.g. favor# keeps its own variant unless asked)
+# kind-specific attention options: empty / False means "the kind's own default" (the spec options,
+# variant / lambda_ / features, are in every attention block at "", the kind's own; the others go into the
+# block only when the arg names them, so each kind keeps its default unless asked)
 KIND_OPTIONS = dict(variant="", lambda_="", features="", importance_sampling=False, antithetic=False)
 # the sweep's axes (get_config ignores them): "/"-separated values; "none" is qk_norm ""
 SWEEP_ARGS = dict(seeds=2, kinds="", qk_norms="", redraws="")

@@ -271,9 +271,12 @@ def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, caps
         trained.run_sweep(one.replace("seeds=2", "seeds=3"), tmp_path / "fails", parallel=1)
     with pytest.raises(trained.SweepError, match=r"holds the sweep of another config .*kind=nope\); this one is"):
         trained.run_sweep(one, tmp_path / "fails", parallel=1, extra=["--config.total_steps=3"])
-    for bad in (["--sides", "vit/gpt"], ["--seeds", "1"], ["--vit-steps", "5"]):
-        assert main(["uptrain-kernels", "--quick", *bad, "--out", str(tmp_path / "o")]) == 2
-        assert bad[1] in capsys.readouterr().err, bad
+    for bad, said in ((["--sides", "vit/gpt"], "--sides 'vit/gpt'"), (["--seeds", "1"], "--seeds 1"),
+                      (["--vit-steps", "5"], "--vit-steps 5 with --quick"), (["--kinds", "favor#:nope"], "nope"),
+                      (["--kinds", "favor#/favor#:sderf"], "two specs name one setting")):
+        assert main(["uptrain-kernels", "--quick", *bad, "--out", str(tmp_path / "u")]) == 2
+        assert said in capsys.readouterr().err, bad
+    assert not (tmp_path / "u").exists()              # refused before any source trained
 
 
 def test_interrupted_write_leaves_no_report(tmp_path, monkeypatch):
@@ -530,6 +533,14 @@ def test_uptrain_report_reads_day_0_at_step_0_and_rates_each_side_by_hand_comput
     z = (pp.mean() - p.mean()) / np.sqrt(np.var(pp, ddof=1) / 3 + np.var(p, ddof=1) / 3)
     claim = next((t, v) for t, v in rep.comparisons if t.startswith("digits ViT, after 300 steps: FAVOR++"))
     assert f"(z = {z:.1f})" in claim[0] and claim[1] == "agrees", claim
+    pp, p = np.array(figures[("favor++", None)][0]), np.array(figures[("favor+", None)][0])   # day 0
+    z = (pp.mean() - p.mean()) / np.sqrt(np.var(pp, ddof=1) / 3 + np.var(p, ddof=1) / 3)
+    claim = next(t for t, _ in rep.comparisons if t.startswith("digits ViT, day 0: FAVOR++"))
+    assert f"(z = {z:.1f})" in claim and "not a figure of the paper" in claim, claim
+    # BERT's day 0 has a new classifier head: rated after K only, and a weak source is said beside each claim
+    bert = [t for t, _ in rep.comparisons if t.startswith("BERT")]
+    assert bert and not any("day 0" in t for t in bert)
+    assert all("read with care" in t for t in bert if "task check" not in t)
     # FAVOR# Table 1 is a GLUE claim: rated on both, named as the paper's on the BERT side only
     sharp = [t for t, _ in rep.comparisons if "FAVOR# (SADERF)" in t and "> FAVOR+ (" in t and "after" in t]
     assert len(sharp) == 2 and sum("here on the digits ViT" in t for t in sharp) == 1
@@ -540,3 +551,23 @@ def test_uptrain_report_reads_day_0_at_step_0_and_rates_each_side_by_hand_comput
     assert incomplete.checks[0][1] is False
     with pytest.raises(trained.SweepError, match="no step-0"):
         uk.day0(_fake_run("x", "favor+", 0, 0.5), "accuracy")
+
+
+def test_uptrain_sweeps_give_the_settings_the_report_asks_for():
+    """The settings uptrain-kernels asks for are the labels its sweeps' runs get (each side's uptraining sweep,
+    loaded from its config as the launcher does), for the default kinds and for specs whose variant is
+    left to the kind (favor# is FAVOR# (SDERF), hrf HRF (angular))."""
+    import argparse
+    from favor import sweeps
+    from favor.repro import uptrain_kernels as uk
+    from favor.tools.report import RunRecord
+
+    for kinds in (None, "favor#/hrf/favor+@8/simrf:positive/elu"):
+        args = argparse.Namespace(quick=False, seeds=3, sides=None, kinds=kinds, vit_steps=None, bert_steps=None,
+                                  bert_source_steps=None, parallel=2)
+        for side, p in uk.plan(args).items():
+            runs = sweeps.load(p["uptrain"][0])
+            labels = [uk._label(RunRecord(r.name, None, config=dict(r.overrides))) for r in runs]
+            assert sorted(set(labels)) == sorted(p["asked"]) and all(labels.count(k) == 3 for k in p["asked"]), side
+    assert uk.plan(args)["vit"]["asked"] == ["softmax", "FAVOR# (SDERF)", "HRF (angular)", "FAVOR+ + band 8",
+                                             "SimRF (positive)", "ELU"]

@@ -101,7 +101,6 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
             options.append(attention.block_options(config.model.attention))
         kinds = [(o["kind"], o.get("variant")) for o in options]
         assert ("favor#", "saderf") in kinds, (config_spec, kinds)
-        assert all(v is None for k, v in kinds if k != "favor#")          # the option only where it is taken
     assert {(o["kind"], o.get("variant"), o.get("lambda_")) for o in options} == {("softmax", None, None),
                                                                               ("favor#", "saderf", None)}
     glue = sweeps.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,seeds=2")
