@@ -246,8 +246,11 @@ def _report(results: dict) -> Report:
                     comparisons.append((f"{name}, {when}: {better} ({a.text()} %) > {worse} ({b.text()} %) — "
                                         f"{whose}{caveat} (z = {z:.1f})", v))
         spec = " ".join(str(x) for x in r["uptrain"][1])
+        status = source.sweep_status or {}
+        took = (f", {(status['ended'] - status['started']) / 60:.0f} min"
+                if status.get("started") is not None and status.get("ended") is not None else "")
         notes.append(f"{name}: source `{_short(r['source'][0])}` ({source.summary.get('step')} steps, "
-                     f"{'masked-token ' if side == 'bert' else ''}{metric} {100 * source_value:.1f} %); "
+                     f"{'masked-token ' if side == 'bert' else ''}{metric} {100 * source_value:.1f} %{took}); "
                      f"uptraining sweep `{_short(r['uptrain'][0])}`{' with ' + spec if spec else ''}, "
                      f"from `--config.model.init_from=run:<source>`" + trained.timing(r["runs"]) + ".")
         if "FAVOR+" in stats and "FAVOR++" in stats and side == "vit":
