@@ -14,7 +14,7 @@ from favor.repro import trained
 from favor.repro.report import Report
 
 NAME = "uptrain-kernels"
-SUMMARY = ("a softmax digits ViT and a softmax BERT-MLM (docstrings → sentence order) uptrained as FAVOR+, "
+SUMMARY = ("A softmax digits ViT and a softmax BERT-MLM (docstrings → sentence order) uptrained as FAVOR+, "
            "FAVOR++, FAVOR# (SADERF, SDERF), ELU, ReLU: day 0 and after K steps; 3 seeds")
 PROTOCOL = """\
 The papers' uptraining claims: FAVOR# Table 1 (warm-started from a pretrained BERT, FAVOR# with SADERF
