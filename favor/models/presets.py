@@ -38,7 +38,7 @@ PRESETS = {
         "mini": dict(hidden=256, num_layers=4, heads=4, mlp_dim=1024),
         # Turc et al.'s BERT-Tiny width and depth (2 × 128) with the docstrings corpus's 1,000-piece
         # vocabulary and 128 positions: the model data=local pretrains to a useful level in minutes on 2 CPU
-        # cores (BERT-mini runs 0.6 steps/s there: an hour for 2,000 steps)
+        # cores, where BERT-mini takes about an hour
         "local": dict(vocab_size=1000, hidden=128, num_layers=2, heads=2, mlp_dim=512, max_positions=128),
         "small": dict(hidden=512, num_layers=4, heads=8, mlp_dim=2048),
         "base": dict(),
