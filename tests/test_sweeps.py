@@ -110,6 +110,8 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
                        ("kinds=", "kinds: an empty list"), ("kinds=fav", r"kinds: unknown 'fav'")):
         with pytest.raises(ValueError, match=match):
             sweeps.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder," + bad)
+    with pytest.raises(ValueError, match="steps=-5: expected a positive"):
+        configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=-5")
     with pytest.raises(ValueError, match="runlocal and local"):
         configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,runlocal")
 

@@ -12,5 +12,5 @@ from favor.attention.kinds import Attention, RandomFeatureAttention, RandomFeatu
 from favor.attention.registry import (SPEC_OPTIONS, block_options, block_redraw, get, ignored_block_options,
                                       names, parse_spec)
 
-__all__ = ["SPEC_OPTIONS", "Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn", "block_options",
-           "block_redraw", "get", "ignored_block_options", "names", "parse_spec"]
+__all__ = ["SPEC_OPTIONS", "Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn",
+           "block_options", "block_redraw", "get", "ignored_block_options", "names", "parse_spec"]

@@ -97,9 +97,9 @@ def config_path(name: str) -> str:
 def run_sweep(config: str, workdir: Path, parallel: int, extra=()) -> list:
     """Runs the sweep of `config` ("path.py:arg") in `workdir` with launch/sweep_local.py and returns its
     runs (favor.tools.report records); `extra` flags go to every run. The launcher's output goes to
-    <workdir>/sweep.log. A workdir that holds another config's sweep (or the same with other flags), a launcher that fails before any run starts, or a run that fails or
-    stops is a SweepError naming it: a reproduction never rates a partial or mixed sweep (rerunning the
-    same command resumes it)."""
+    <workdir>/sweep.log. A workdir that holds another config's sweep (or the same with other flags), a
+    launcher that fails before any run starts, or a run that fails or stops is a SweepError naming it: a
+    reproduction never rates a partial or mixed sweep (rerunning the same command resumes it)."""
     workdir = Path(workdir)
     listing = workdir / "sweep.json"
     if listing.exists():

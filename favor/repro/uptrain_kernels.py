@@ -89,14 +89,14 @@ def setting_label(kind: str, options: dict) -> str:
     return name + (f" + band {window}" if window else "")
 
 
-def spec_label(spec: str) -> str:
-    return setting_label(*attention.parse_spec(spec))
+def _overrides_label(settings: dict) -> str:
+    """setting_label of a run's dotted settings (a sweep item's overrides, or a finished run's config)."""
+    options = {k.removeprefix("model.attention."): v for k, v in settings.items() if k.startswith("model.attention.")}
+    return setting_label(options.pop("kind"), options)
 
 
 def _label(run):
-    options = {k.removeprefix("model.attention."): v for k, v in run.settings.items()
-               if k.startswith("model.attention.")}
-    return setting_label(options.pop("kind"), options)
+    return _overrides_label(run.settings)
 
 
 def plan(args) -> dict:
@@ -119,8 +119,8 @@ def plan(args) -> dict:
         raise ValueError("--parallel, --vit-steps, --bert-steps and --bert-source-steps must be positive")
     kinds = args.kinds or ("favor+" if quick else KINDS)
     specs = "/".join(["softmax"] + [k for k in kinds.split("/") if k and k != "softmax"])
-    sweeps.kind_settings("--kinds", specs)            # a bad spec fails here, before a source trains
-    labels = [spec_label(k) for k in configlib.values("--kinds", specs)]
+    # a bad spec fails here, before a source trains; the asked names are those the runs will carry
+    labels = [_overrides_label(item) for item in sweeps.kind_settings("--kinds", specs)]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--kinds {kinds!r}: two specs name one setting ({', '.join(labels)})")
     out = {}
