@@ -189,25 +189,26 @@ def test_speech_report_labels_kinds_by_width_and_rates_wer_lower_is_better():
            ("favor++", 16, "angular", True): (0.20, 0.22, 0.19), ("hrf", 64, "cluster", True): (0.25, 0.26, 0.24),
            ("hrf", 64, "angular", True): (0.40, 0.45, 0.42), ("softmax", 16, "angular", False): (0.60, 0.62, 0.61)}
     runs = [_fake_run(f"{k}{m}{lam}{att}_{s}", k, s, w, metric="wer", **{
-        "model.attention.num_features": m, "model.attention.lambda_": lam, "model.self_attention": att})
+        "model.attention.num_features": m, "model.attention.lambda_": lam, "model.self_attention": att,
+        "model.attention.qk_norm": "l2" if k == "hrf" else ""})
         for (k, m, lam, att), values in wer.items() for s, w in enumerate(values)]
     settings = trained.by_setting(runs, sk._label, "wer")
-    assert list(settings) == ["softmax", "FAVOR+ M=16", "FAVOR++ M=16", "HRF-cluster M=64", "HRF-angular M=64",
-                              sk.FLOOR]
+    assert list(settings) == ["softmax", "FAVOR+ M=16", "FAVOR++ M=16", "HRF-cluster M=64 (qk l2)",
+                              "HRF-angular M=64 (qk l2)", sk.FLOOR]
     rep = sk._report(settings, runs, "/x/configs/conformer_librispeech.py:data=hard,seeds=3", 3, 64, list(settings))
     assert [r[0] for r in rep.rows][0] == "softmax" and rep.rows[-1][0] == sk.FLOOR      # lowest WER first
     crt = next((t, v) for t, v in rep.comparisons if "at M = 16" in t)
     a, b = np.array(wer[("favor++", 16, "angular", True)]), np.array(wer[("favor+", 16, "angular", True)])
     z = (b.mean() - a.mean()) / np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 3)
     assert crt[1] == "agrees" and f"z = {z:.1f}" in crt[0] and "the paper's gap 3.05 points" in crt[0], crt
-    hrf = next((t, v) for t, v in rep.comparisons if t.startswith("HRF-cluster M=64"))
+    hrf = next((t, v) for t, v in rep.comparisons if t.startswith("HRF-cluster M=64 (qk l2) ("))
     assert hrf[1] == "agrees", hrf
     floor = next((t, v) for t, v in rep.comparisons if "without attention" in t)
     assert floor[1] == "agrees"
     weakest = next(t for t, _ in rep.comparisons if "weakest" in t)
-    assert "HRF-angular M=64 (" in weakest                        # the highest random-feature WER
+    assert "HRF-angular M=64 (qk l2) (" in weakest                        # the highest random-feature WER
     assert rep.checks[0][1] is True
-    assert sk._report(settings, runs, "/x/c.py:seeds=3", 3, 64, list(settings) + ["trig M=64"]).checks[0][1] is False
+    assert sk._report(settings, runs, "/x/c.py:seeds=3", 3, 64, list(settings) + ["trig M=64 (qk l2)"]).checks[0][1] is False
 
 
 def test_speech_sweep_settings_are_valid_configs():
@@ -230,7 +231,10 @@ def test_speech_sweep_settings_are_valid_configs():
         record = RunRecord(run.name, None, config={"model.attention.kind": config.model.attention.kind,
                                                    "model.attention.num_features": config.model.attention.num_features,
                                                    "model.attention.lambda_": config.model.attention.lambda_,
+                                                   "model.attention.qk_norm": config.model.attention.qk_norm,
                                                    "model.self_attention": config.model.self_attention})
+        # the sign-indefinite kinds on the sphere, the others as the papers ran them
+        assert (config.model.attention.qk_norm == "l2") == (config.model.attention.kind in ("favor", "hrf"))
         labels.append(sk._label(record))
     asked = sk.asked_settings([8, 16], 64, quick=False)
     assert sorted(set(labels)) == sorted(asked) and all(labels.count(k) == 3 for k in asked)
