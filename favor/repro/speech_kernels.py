@@ -36,7 +36,7 @@ disagrees; with 3 seeds a true tie still passes 2 SE one way 6-9 % of the time: 
 
 Where favor differs from the papers: a synthetic corpus (espeak-ng voices, not LibriSpeech's 960 hours
 of read speech), a model 60× smaller than CRT's 17-layer Conformer,
-a CTC head instead of a transducer, and a budget of minutes (default 400 steps of 16 utterances, the
+a CTC head instead of a transducer, and a budget of minutes (default 300 steps of 16 utterances, the
 cosine schedule run to its end), so that every run is undertrained and WER measures how fast a kind
 learns as much as where it ends. HRF at the papers' widths (HRF-A(16, 8): 1024 features), and trig and
 FAVOR# at M = 8, are left out. Trig and HRF are not positive: they run with queries and keys on the
@@ -66,7 +66,7 @@ PAPER_CLAIMS = (
 
 
 def add_arguments(parser):
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 400)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per setting (default 3; --quick 2)")
     parser.add_argument("--narrow", default=None, help="'/'-separated narrow widths for FAVOR+ and FAVOR++ "
                                                        "(default 8/16; FAVOR# at the widest)")
@@ -114,7 +114,7 @@ def run(args):
         spec += ["data=hard", "runlocal", "quick", "floor=False"]
         config_name = "hard_tiny"
     else:
-        spec += ["data=hard", f"steps={args.steps or 400}"]
+        spec += ["data=hard", f"steps={args.steps or 300}"]
         config_name = "hard"
     config = trained.config_path("conformer_librispeech.py") + ":" + ",".join(spec)
     local.prepare("speech", config=config_name)     # once, before runs that would each build it at once
