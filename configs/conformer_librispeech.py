@@ -39,7 +39,10 @@ widest of them; FAVOR+, trig, HRF-angular and HRF-cluster at the `wide` width (H
 feature width for all; trig and HRF with qk_norm=l2); each with `seeds` seeds:
 
     python launch/sweep_local.py --workdir runs/sk \
-        --config configs/conformer_librispeech.py:data=hard,steps=400,conv_kernel=1
+        --config configs/conformer_librispeech.py:data=hard,steps=300,conv_kernel=1 -- \
+        --config.model.hidden=64 --config.model.num_layers=3 "--config.data.buckets=(480,)"
+
+(the flags after `--`: the smaller model the reproduction trains, to fit its hour on 2 cores)
 """
 
 import ml_collections

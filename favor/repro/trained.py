@@ -211,7 +211,7 @@ def plot_settings(fig, settings: dict, metric: str, title: str, scale=100.0, uni
     if reference in settings:
         ax_bar.axvline(scale * settings[reference]["stat"].mean, color="k", ls="--", lw=1,
                        label=f"{reference} (mean)")
-        ax_bar.legend(loc="lower right", fontsize=8)
+        ax_bar.legend(loc="upper right", bbox_to_anchor=(1.0, -0.14), fontsize=8)     # below: clear of the labels
     ax_bar.set_yticks(ys, order, fontsize=8)
     n = min(s["stat"].n for s in settings.values())
     ax_bar.set_xlabel(f"final eval {metric} ({unit}): seeds as dots, ◆ mean ± 2 SE (n = {n})")
