@@ -42,7 +42,8 @@ feature width for all; trig and HRF with qk_norm=l2); each with `seeds` seeds:
         --config configs/conformer_librispeech.py:data=hard,steps=300,conv_kernel=1 -- \
         --config.model.hidden=64 --config.model.num_layers=3 "--config.data.buckets=(480,)"
 
-(the flags after `--`: the smaller model the reproduction trains, to fit its hour on 2 cores)
+(the flags after `--`: the smaller model the reproduction trains, to fit its hour on 2 cores;
+`python -m favor.repro speech-kernels` runs this sweep in a workdir of its own and rates it)
 """
 
 import ml_collections

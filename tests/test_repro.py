@@ -201,6 +201,8 @@ def test_speech_report_labels_kinds_by_width_and_rates_wer_lower_is_better():
     a, b = np.array(wer[("favor++", 16, "angular", True)]), np.array(wer[("favor+", 16, "angular", True)])
     z = (b.mean() - a.mean()) / np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 3)
     assert crt[1] == "agrees" and f"z = {z:.1f}" in crt[0] and "the paper's gap 3.05 points" in crt[0], crt
+    assert f"WER: {100 * (b.mean() - a.mean()):+.1f} ± {100 * np.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 3):.1f}" \
+        in crt[0], crt                                            # worse minus better: a gain is positive
     hrf = next((t, v) for t, v in rep.comparisons if t.startswith("HRF-cluster M=64 (qk l2) ("))
     assert hrf[1] == "agrees", hrf
     floor = next((t, v) for t, v in rep.comparisons if "without attention" in t)
@@ -209,6 +211,22 @@ def test_speech_report_labels_kinds_by_width_and_rates_wer_lower_is_better():
     assert "HRF-angular M=64 (qk l2) (" in weakest                        # the highest random-feature WER
     assert rep.checks[0][1] is True
     assert sk._report(settings, runs, "/x/c.py:seeds=3", 3, 64, list(settings) + ["trig M=64 (qk l2)"]).checks[0][1] is False
+    # a claim whose settings this sweep lacks is named as not rated, never dropped silently
+    assert any("Not rated" in n and "FAVOR# M=16" in n and "trig M=64 (qk l2)" in n for n in rep.notes), rep.notes
+
+
+def test_every_speech_claim_names_settings_the_sweep_asks_for():
+    """Each paper claim compares two settings of the default sweep (a mistyped label would leave the claim
+    unrated), and FAVOR#'s claims follow the widest narrow width, where the sweep puts FAVOR#."""
+    from favor.repro import speech_kernels as sk
+
+    for widths, wide in (([8, 16], 64), ([8, 32], 128)):
+        asked = set(sk.asked_settings(widths, wide, quick=False))
+        pairs = sk.claim_settings(wide, widths[-1])
+        assert len(pairs) == len(sk.PAPER_CLAIMS)
+        missing = [p for p in pairs if not set(p) <= asked]
+        # the CRT claims are at the paper's M = 8 and 16; every other claim is always in the sweep
+        assert all(p[0].startswith("FAVOR++ M=16") for p in missing) and len(missing) == (widths[-1] != 16), missing
 
 
 def test_speech_sweep_settings_are_valid_configs():
@@ -219,7 +237,9 @@ def test_speech_sweep_settings_are_valid_configs():
     from favor.repro import speech_kernels as sk, trained
     from favor.tools.report import RunRecord
 
-    spec = trained.config_path("conformer_librispeech.py") + ":data=hard,steps=400,conv_kernel=1"
+    # the config string the full entry builds, its defaults
+    spec = trained.config_path("conformer_librispeech.py") + ":seeds=3,narrow=8/16,wide=64,conv_kernel=1,data=hard," \
+        "steps=300"
     runs = sweeps.load(spec)
     labels = []
     for run in runs:
@@ -227,7 +247,7 @@ def test_speech_sweep_settings_are_valid_configs():
         for key, value in run.overrides.items():
             configlib.apply_flag(config, f"{key}={value}")
         configlib.validate(config)
-        assert config.total_steps == 400 and config.data.dataset == "local:hard" and config.model.conv_kernel == 1
+        assert config.total_steps == 300 and config.data.dataset == "local:hard" and config.model.conv_kernel == 1
         record = RunRecord(run.name, None, config={"model.attention.kind": config.model.attention.kind,
                                                    "model.attention.num_features": config.model.attention.num_features,
                                                    "model.attention.lambda_": config.model.attention.lambda_,
