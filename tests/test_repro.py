@@ -210,7 +210,8 @@ def test_speech_report_labels_kinds_by_width_and_rates_wer_lower_is_better():
     weakest = next(t for t, _ in rep.comparisons if "weakest" in t)
     assert "HRF-angular M=64 (qk l2) (" in weakest                        # the highest random-feature WER
     assert rep.checks[0][1] is True
-    assert sk._report(settings, runs, "/x/c.py:seeds=3", 3, 64, list(settings) + ["trig M=64 (qk l2)"]).checks[0][1] is False
+    missing_trig = sk._report(settings, runs, "/x/c.py:seeds=3", 3, 64, list(settings) + ["trig M=64 (qk l2)"])
+    assert missing_trig.checks[0][1] is False
     # a claim whose settings this sweep lacks is named as not rated, never dropped silently
     assert any("Not rated" in n and "FAVOR# M=16" in n and "trig M=64 (qk l2)" in n for n in rep.notes), rep.notes
 

@@ -24,9 +24,10 @@ AdamW with a cosine schedule, batch 16, with the conv module's depthwise convolu
 (`--conv-kernel`): attention is then the model's only context beyond the 7 input frames each
 subsampled frame reads. The config's own 4-layer, 96-wide model trains at 1.3 steps/s a run to this
 one's 1.9 (two runs sharing 2 cores): its 33 runs at 250 steps would take some 80 minutes, and there
-every random-feature kind was still at 97-99 % WER (softmax 78 %, first seed each). With the config's 15-frame convolution attention does not decide the
-task at this budget (at 400 steps of the 4-layer model, without self-attention 15.1 % WER, softmax
-37.1 %), so each setting is also rated against the model without attention. Each setting is trained `--seeds` times
+every random-feature kind was still at 97-99 % WER (softmax 78 %, first seed each). With the config's
+15-frame convolution attention does not decide the task at this budget (at 400 steps of the 4-layer
+model, without self-attention 15.1 % WER, softmax 37.1 %), so each setting is also rated against the
+model without attention. Each setting is trained `--seeds` times
 (seeds 0, 1, 2: the initialisation, the data order and the feature draws; features redrawn every
 step) for `--steps` steps and scored by its final validation WER; mean ± sd over seeds. Settings:
 softmax; FAVOR+ and FAVOR++ at M = 8 and 16; FAVOR# (SDERF) at M = 16; FAVOR+, trig, HRF-angular and
@@ -37,8 +38,8 @@ must clear. Claims are rated at 2 standard errors of the difference of means (ag
 disagrees; with 3 seeds a true tie still passes 2 SE one way 6-9 % of the time: favor.repro.trained).
 
 Where favor differs from the papers: a synthetic corpus (espeak-ng voices, not LibriSpeech's 960 hours
-of read speech), a model some 80× smaller than CRT's 17-layer Conformer (0.34 M parameters against 27.8 M),
-a CTC head instead of a transducer, and a budget of minutes (default 300 steps of 16 utterances, the
+of read speech), a model some 80× smaller than CRT's 17-layer Conformer (0.34 M parameters against
+27.8 M), a CTC head instead of a transducer, and a budget of minutes (default 300 steps of 16 utterances, the
 cosine schedule run to its end), so that every run is undertrained and WER measures how fast a kind
 learns as much as where it ends. HRF at the papers' widths (HRF-A(16, 8): 1024 features), and trig and
 FAVOR# at M = 8, are left out. Trig and HRF are not positive: they run with queries and keys on the
