@@ -33,6 +33,37 @@ def make(kind, **opts):
     return attention.get(kind, **{k: v for k, v in {**base, **opts}.items() if k in accepted})
 
 
+_PROGRAMS = {}
+
+
+def grads_program(kind, causal, **opts):
+    """(attention, program): program(q, k, v, mask, rng, stats, lin, sq) gives the outputs (float32)
+    and d/d(q, k, v) of Σ lin·out + sq·out², under jax.jit. One program per kind, options and mode,
+    kept for the module: the gradient tests below differ only in these arguments and in the weights,
+    so they run the same compiled programs (compiling a value-and-gradient program is most of such a
+    test's time)."""
+    key = (kind, causal, tuple(sorted(opts.items())))
+    if key not in _PROGRAMS:
+        attn = make(kind, **opts)
+
+        @jax.jit
+        def program(q, k, v, mask, rng, stats, lin, sq):
+            def loss(q, k, v):
+                out = attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats).astype(jnp.float32)
+                return jnp.sum(lin * out + sq * out ** 2), out
+            (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+            return out, grads
+
+        def run(q, k, v, mask, rng, stats, lin, sq):
+            # weights as full float32 arrays: one signature, whichever weights a test gives
+            shape = q.shape[:3] + v.shape[3:]
+            lin, sq = (jnp.broadcast_to(jnp.asarray(w, jnp.float32), shape) for w in (lin, sq))
+            return program(q, k, v, mask, rng, stats, lin, sq)
+
+        _PROGRAMS[key] = attn, run
+    return _PROGRAMS[key]
+
+
 def qkv(b=2, lq=9, lk=9, h=2, d=8, dv=5, scale=0.6, seed=0, dtype=jnp.float32, norms=None):
     """q, k ~ N(0, scale²); or with `norms` (a [L] array) every row rescaled to that norm."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -233,8 +264,8 @@ def test_causal_spans_at_large_norms_equal_the_reference(kind):
 def test_causal_span_gradients_equal_those_of_the_explicit_form(kind):
     """L = 9 in spans of 4 (chunks of 2): the carry's gradient, plain and with a window."""
     for path in ("auto", "fast"):
-        check_gradients_against_explicit(make(kind, chunk_size=2, causal_span=4, causal_path=path), True)
-    check_gradients_against_explicit(make(kind, chunk_size=2, causal_span=4, window=2), True, window=2)
+        check_gradients_against_explicit(kind, True, chunk_size=2, causal_span=4, causal_path=path)
+    check_gradients_against_explicit(kind, True, window=2, chunk_size=2, causal_span=4)
 
 
 def test_causal_span_option_is_checked():
@@ -274,13 +305,12 @@ def test_identical_keys_give_the_mean_of_valid_values(kind, causal):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_all_padding_row_outputs_zero_with_finite_gradients(kind):
-    attn = make(kind, chunk_size=4)
     q, k, v = qkv(scale=3.0)
     mask = jnp.asarray(np.array([[True] * 9, [False] * 9]))
     for causal in (False, True):
+        attn, program = grads_program(kind, causal, chunk_size=4)
         stats = calibration_stats(attn, 8) if causal else None
-        f = lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=jax.random.PRNGKey(0), stats=stats)
-        out, grads = jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(*a)))(q, k, v)
+        out, grads = program(q, k, v, mask, jax.random.PRNGKey(0), stats, 0.0, 1.0)
         np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
         assert all(np.all(np.isfinite(np.asarray(g))) for g in grads), (kind, causal)
 
@@ -302,33 +332,28 @@ def _perturb(x, start, seed, scale):
     return x.at[:, start:].set(noise[:, start:].astype(x.dtype))
 
 
-FUTURE_CASES = ((1, 0, 1.0), (6, 1, 12.0), (13, 2, 12.0))     # (t, seed, scale of the new tokens)
+# (t, seed, scale of the new tokens): the first token alone, mid-chunk, and a chunk boundary (chunks of 4)
+FUTURE_CASES = ((1, 0, 1.0), (6, 1, 12.0), (8, 2, 12.0))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", LINEAR)
 def test_causal_outputs_never_depend_on_the_future(kind, dtype):
-    """Changing every token ≥ t (queries, keys, values; up to norms far beyond the rest) leaves the
-    outputs and the gradients at positions < t bit for bit unchanged, on each causal path alone (the
-    stabilisers are causal; "auto" chooses between the two on the whole input, so it is covered by the
-    reference tests). bf16 changes only the inputs' rounding (features are float32): one path."""
-    d, l = 8, 16
-    q, k, v = qkv(b=1, lq=l, lk=l, d=d, seed=3, dtype=dtype)
+    """Changing every token ≥ t (queries, keys, values; up to norms far beyond the rest), padded ones
+    included, leaves the outputs and the gradients at positions < t bit for bit unchanged, on each
+    causal path alone (the stabilisers are causal; "auto" chooses between the two on the whole input, so
+    it is covered by the reference tests). bf16 changes only the inputs' rounding (features are float32):
+    one path. The shapes and mask are the gradient tests' (L = 9 in chunks of 4), whose programs these are."""
+    q, k, v = qkv(dtype=dtype)
+    mask, rng = key_mask(), jax.random.PRNGKey(0)
     for path in ("fast", "exact") if dtype == jnp.float32 else ("exact",):
-        attn = make(kind, chunk_size=4, causal_path=path)
-        stats = calibration_stats(attn, d)
-
-        @jax.jit
-        def outputs_and_grads(q, k, v, weights):
-            f = lambda q, k, v: attn(q, k, v, causal=True, stats=stats).astype(jnp.float32)
-            past = lambda q, k, v: jnp.sum(weights * f(q, k, v) ** 2)
-            return f(q, k, v), jax.grad(past, (0, 1, 2))(q, k, v)
-
+        attn, program = grads_program(kind, True, chunk_size=4, causal_path=path)
+        stats = calibration_stats(attn, 8)
         for t, seed, scale in FUTURE_CASES:
-            weights = (jnp.arange(l) < t)[None, :, None, None].astype(jnp.float32)   # the loss sees the past
+            weights = (jnp.arange(9) < t)[None, :, None, None].astype(jnp.float32)   # the loss sees the past
             q2, k2, v2 = (_perturb(a, t, seed + i, scale) for i, a in enumerate((q, k, v)))
-            o1, g1 = outputs_and_grads(q, k, v, weights)
-            o2, g2 = outputs_and_grads(q2, k2, v2, weights)
+            o1, g1 = program(q, k, v, mask, rng, stats, 0.0, weights)
+            o2, g2 = program(q2, k2, v2, mask, rng, stats, 0.0, weights)
             np.testing.assert_array_equal(np.asarray(o1[:, :t]), np.asarray(o2[:, :t]), err_msg=f"{path} t={t}")
             for a, b in zip(g1, g2):
                 np.testing.assert_array_equal(np.asarray(a[:, :t], np.float32), np.asarray(b[:, :t], np.float32),
@@ -338,30 +363,21 @@ def test_causal_outputs_never_depend_on_the_future(kind, dtype):
 @pytest.mark.parametrize("causal,dtype", [(False, jnp.float32), (True, jnp.float32), (False, jnp.bfloat16)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_padded_keys_change_neither_outputs_nor_gradients(kind, dtype, causal):
-    """Padded keys set to anything (norms up to 8·√D = 32 at D = 16, values ±1e3) change no valid
-    output and no gradient, and receive zero gradient themselves. (Causal bf16: the padding logic is
-    the same as in float32; bf16 causal is covered by the reference and future tests.)"""
-    d = 16
-    attn = make(kind, chunk_size=4)
-    stats = calibration_stats(attn, d) if causal else None
-    q, k, v = qkv(lq=9, lk=9, d=d, seed=5, dtype=dtype)
-    mask = key_mask()
+    """Padded keys set to anything (norms up to 32·√D, values ±1e3) change no valid output and no
+    gradient, and receive zero gradient themselves. (Causal bf16: the padding logic is the same as in
+    float32; bf16 causal is covered by the reference and future tests.)"""
+    attn, program = grads_program(kind, causal, chunk_size=4)
+    stats = calibration_stats(attn, 8) if causal else None
+    q, k, v = qkv(seed=5, dtype=dtype)
+    mask, rng = key_mask(), jax.random.PRNGKey(4)
     valid = np.asarray(mask)[:, :, None, None]
-
-    @jax.jit
-    def outputs_and_grads(q, k, v):
-        def loss(q, k, v):
-            out = attn(q, k, v, mask=mask, causal=causal, rng=jax.random.PRNGKey(4), stats=stats)
-            return jnp.sum(jnp.where(valid, out, 0.0).astype(jnp.float32) ** 2), out
-        return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-
-    (_, o1), g1 = outputs_and_grads(q, k, v)
+    o1, g1 = program(q, k, v, mask, rng, stats, 0.0, jnp.asarray(valid, jnp.float32))
     for seed, scale in ((1, 1.0), (2, 32.0)):
         k2 = jnp.where(~valid, _perturb(k, 0, seed, scale), k).astype(dtype)
         v2 = jnp.where(~valid, _perturb(v, 0, seed + 1, 1e3), v).astype(dtype)
-        (_, o2), g2 = outputs_and_grads(q, k2, v2)
-        np.testing.assert_allclose(np.where(valid, np.asarray(o1, np.float32), 0),
-                                   np.where(valid, np.asarray(o2, np.float32), 0), rtol=1e-5, atol=1e-6)
+        o2, g2 = program(q, k2, v2, mask, rng, stats, 0.0, jnp.asarray(valid, jnp.float32))
+        np.testing.assert_allclose(np.where(valid, np.asarray(o1), 0), np.where(valid, np.asarray(o2), 0),
+                                   rtol=1e-5, atol=1e-6)
         for a, b in zip(g1, g2):
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), kind
@@ -481,23 +497,23 @@ def test_gradients_equal_those_of_the_explicit_form(kind, mode):
     features (reference.explicit_attention: no stabiliser, chunk, scan or guard), with padding, L = 9 in
     chunks of 4. ("causal" runs "auto": the fast path on these inputs, the exact one for relu/elu.)
     This once failed: the causal prefix states' chunk maxima carried gradient the rescaling did not."""
-    attn = make(kind, chunk_size=4, **({"causal_path": "exact"} if mode == "causal-exact" else {}))
-    check_gradients_against_explicit(attn, causal=mode != "bidirectional")
+    check_gradients_against_explicit(kind, mode != "bidirectional", chunk_size=4,
+                                     **({"causal_path": "exact"} if mode == "causal-exact" else {}))
 
 
-def check_gradients_against_explicit(attn, causal, window=0):
+def check_gradients_against_explicit(kind, causal, window=0, **opts):
     """d/d(q, k, v) of a random projection of the output (L = 9, padding) against float64 autodiff of
     reference.explicit_attention (the same ω and fit; window > 0: the band exact)."""
+    attn, program = grads_program(kind, causal, **opts, **({"window": window} if window else {}))
     q, k, v = qkv(seed=6)
     mask, rng = key_mask(), jax.random.PRNGKey(0)
     stats = calibration_stats(attn, 8) if causal else None
     weights = jax.random.normal(jax.random.PRNGKey(1), v.shape)
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * weights)
-    got = jax.jit(jax.grad(loss(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)),
-                           (0, 1, 2)))(q, k, v)
+    _, got = program(q, k, v, mask, rng, stats, weights, 0.0)
     with jax.enable_x64(True):
-        want = jax.jit(jax.grad(loss(lambda q, k, v: reference.explicit_attention(
-            attn, q, k, v, mask, causal, rng, stats, window=window)), (0, 1, 2)))(q, k, v)
+        loss = lambda q, k, v: jnp.sum(reference.explicit_attention(attn, q, k, v, mask, causal, rng, stats,
+                                                                    window=window) * weights)
+        want = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4,
                                    err_msg=f"{attn.name} causal={causal} window={window} d{name}")

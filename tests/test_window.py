@@ -175,7 +175,7 @@ def test_padded_keys_change_neither_outputs_nor_gradients(causal):
 def test_gradients_equal_those_of_the_explicit_form(kind, causal):
     """Gradients to q, k, v equal the autodiff of the explicit L×L form in float64
     (reference.explicit_attention: the band's exp(qᵀk/√D), φ_qᵀφ_k elsewhere, same ω), with padding."""
-    check_gradients_against_explicit(make(kind, chunk_size=4, window=2), causal, window=2)
+    check_gradients_against_explicit(kind, causal, window=2, chunk_size=4)
 
 
 @pytest.mark.parametrize("kind", FORMS)
