@@ -39,9 +39,9 @@ _PROGRAMS = {}
 def grads_program(kind, causal, **opts):
     """(attention, program): program(q, k, v, mask, rng, stats, lin, sq) gives the outputs (float32)
     and d/d(q, k, v) of Σ lin·out + sq·out², under jax.jit. One program per kind, options and mode,
-    kept for the module: the gradient tests below differ only in these arguments and in the weights,
-    so they run the same compiled programs (compiling a value-and-gradient program is most of such a
-    test's time)."""
+    kept for the test process (test_window's gradient checks come here too): the gradient tests below
+    differ only in these arguments and in the weights, so they run the same compiled programs
+    (compiling a value-and-gradient program is most of such a test's time)."""
     key = (kind, causal, tuple(sorted(opts.items())))
     if key not in _PROGRAMS:
         attn = make(kind, **opts)
