@@ -25,12 +25,21 @@ RF_KINDS = [k for k in KINDS if isinstance(attention.get(k), attention.RandomFea
 DATA_DEPENDENT = [k for k in RF_KINDS if attention.get(k).data_dependent]
 
 
+_MADE = {}
+
+
 def make(kind, **opts):
-    base = {"num_features": 16} if kind in RF_KINDS else {}
-    if kind == "hrf":       # m = 8 frequencies per base estimator, n = 4 λ features: width 4·m·(n + 1)
-        base = {"num_features": 160, "num_lambda_features": 4}
-    accepted = attention.get(kind).OPTIONS                  # softmax takes none of the linear options
-    return attention.get(kind, **{k: v for k, v in {**base, **opts}.items() if k in accepted})
+    """The test instance of `kind` with `opts`, one per kind and options for the test process. The eager
+    passes compile per feature map and shape, and a feature map is a bound method, equal only for the
+    same instance: tests that share an instance (and shapes) share those programs."""
+    key = (kind, tuple(sorted(opts.items())))
+    if key not in _MADE:
+        base = {"num_features": 16} if kind in RF_KINDS else {}
+        if kind == "hrf":       # m = 8 frequencies per base estimator, n = 4 λ features: width 4·m·(n + 1)
+            base = {"num_features": 160, "num_lambda_features": 4}
+        accepted = attention.get(kind).OPTIONS                  # softmax takes none of the linear options
+        _MADE[key] = attention.get(kind, **{k: v for k, v in {**base, **opts}.items() if k in accepted})
+    return _MADE[key]
 
 
 _PROGRAMS = {}
@@ -779,8 +788,8 @@ def test_a_single_chunk_takes_the_whole_array_program():
 def test_the_passes_inline_into_a_traced_caller_and_compile_when_eager(causal, monkeypatch):
     """Inside a caller's trace the passes are plain code (no nested jit, which XLA:CPU fuses apart from
     its caller); an eager call runs them compiled; both give the same attention."""
-    # shapes no other test uses: attention objects with equal options are equal static arguments, so a
-    # shape another test ran would find its compiled program already cached
+    # shapes no other test uses: `make` gives one instance per options, so a shape another test ran
+    # with it would find its compiled program already cached
     q, k, v = qkv(b=1, lq=23, lk=23, h=3, dv=7)
     attn = make("favor+", redraw="fixed")
     program = jax.make_jaxpr(lambda q, k, v: attn(q, k, v, causal=causal))(q, k, v)

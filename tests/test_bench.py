@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from favor import attention
-from favor.bench import cli, ratios, sections
+from favor.bench import cli, common, ratios, sections
 
 
 def test_bench_attention_writes_table_and_json(tmp_path):
@@ -27,6 +27,24 @@ def test_bench_attention_writes_table_and_json(tmp_path):
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert md.count("attention-benchmark:begin") == 1 and "again" in md and "kept text" in md
     assert "| 64 | causal | favor#:saderf@4 |" not in md
+
+
+def test_flops_come_from_the_twin_only_when_it_is_another_program(monkeypatch):
+    """The FLOP count is the twin's (one chunk, one span of the whole length): taken from the layer's own
+    compile when the twin traces to the same program, compiled for the twin when it differs."""
+    # causal FAVOR# at 32 tokens: one span either way, the same program; the count is the twin's own
+    attn, twin, args, stats = common.setup("favor#:saderf", 32, True)
+    assert twin is not attn
+    expect = common.flops_of(twin, True, *args, stats, grad=False)
+    own = common.compile_fn(common.layer_fn(attn, True, stats, False), args)[2]
+    with monkeypatch.context() as m:
+        m.setattr(common, "flops_of", lambda *a, **k: pytest.fail("the same program was compiled again"))
+        assert common.counted_flops(attn, twin, True, args, stats, False, own) == expect > 0
+    # bidirectional FAVOR+ at 32 tokens: its own chunking and the twin's one chunk are two programs
+    attn, twin, args, stats = common.setup("favor+", 32, False)
+    asked = []
+    monkeypatch.setattr(common, "flops_of", lambda a, *rest, **k: asked.append(a) or 7.0)
+    assert common.counted_flops(attn, twin, False, args, stats, False, -1.0) == 7.0 and asked == [twin]
 
 
 def test_bench_train_records_the_metric_against_time(tmp_path):

@@ -62,10 +62,22 @@ def test_the_floor_is_below_every_true_denominator(causal):
                 np.testing.assert_allclose(row(fl.high), vs.max(0), rtol=1e-6)
 
 
+_LAYERS = {}
+
+
+def _layer(kind, chunk=4, **opts):
+    """One instance per kind and options for the module: the eager passes compile per feature map (a
+    bound method, equal only for the same instance) and shape, so tests that share one share those."""
+    key = (kind, chunk, tuple(sorted(opts.items())))
+    if key not in _LAYERS:
+        _LAYERS[key] = attention.get(kind, num_features=32, chunk_size=chunk, **opts)
+    return _LAYERS[key]
+
+
 def _passes(kind, q, k, v, mask, causal, chunk=4, **opts):
     """The layer's pass with its floor and the same pass without one (the plain ratio), and the rows
     whose estimated denominator is below the floor."""
-    attn = attention.get(kind, num_features=32, chunk_size=chunk, **opts)
+    attn = _layer(kind, chunk, **opts)
     ctx = attn.context(q, k, mask, jax.random.PRNGKey(1), None, mask, None, None, causal)
     x, y = attn.inputs(q, k)
     vv = _to_bhld(v)
@@ -125,7 +137,7 @@ def test_rows_with_negative_denominators_are_not_sign_flipped(kind, causal):
     assert negative.sum() >= 5 and np.all(low[negative])
     assert np.any((plain[negative] < 1.0) | (plain[negative] > 2.0))   # the failure prevented
     assert np.all((floored[negative] >= 1.0 - 1e-5) & (floored[negative] <= 2.0 + 1e-5))
-    attn = attention.get(kind, num_features=32, chunk_size=4)
+    attn = _layer(kind)
     loss = lambda q, k, v: jnp.sum(attn(q, k, v, mask=mask, causal=causal) ** 2)
     grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
@@ -136,7 +148,7 @@ def test_decoding_applies_the_same_floor(kind):
     """Token-by-token decoding keeps the floor's sums in its state and equals the causal pass at norms
     where some rows are floored."""
     q, k, v, _ = _inputs(3, b=1, l=12, scale=1.4)
-    attn = attention.get(kind, num_features=32, chunk_size=4)
+    attn = _layer(kind)
     full = np.asarray(attn(q, k, v, causal=True))
     ctx = attn.decode_context(q.shape[-1])
     state = attn.decode_init(1, q.shape[2], q.shape[-1], v.shape[-1])
@@ -157,7 +169,7 @@ def test_hrf_rows_whose_lambda_is_one_do_not_cancel():
     q = (rng.normal(size=(b, l, h, d)) * 2.3).astype(np.float32)
     k = (rng.normal(size=(b, l, h, d)) * 2.3).astype(np.float32)
     v = rng.normal(size=(b, l, h, 2)).astype(np.float32)
-    attn = attention.get("hrf", num_features=32, chunk_size=4)
+    attn = _layer("hrf")
     full = np.asarray(attn(q, k, v, causal=True))
     ctx, state, outs = attn.decode_context(d), attn.decode_init(b, h, d, 2), []
     step = jax.jit(attn.decode_step)           # one program a step, as generation runs it

@@ -37,24 +37,23 @@ def inputs(family, b=2):
     return (feats, jnp.array([40, 27])), {}
 
 
-def jitted_loss(model, family):
+def loss_and_grads(model, family):
+    """A loss of the model's outputs and its gradients to the parameters, as one jitted program (as a
+    training step compiles them; the gradient of a jitted loss taken eagerly compiles two)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     args, kwargs = inputs(family)
 
-    @jax.jit
     def loss(params, rest, args, kwargs):
         out = nnx.merge(graphdef, params, rest)(*args, **kwargs)
         return jnp.mean(out["logits"].astype(jnp.float32) ** 2) + jnp.mean(out["hidden_states"].astype(jnp.float32) ** 2)
 
-    return loss, params, rest, args, kwargs
+    return jax.jit(jax.value_and_grad(loss))(params, rest, args, kwargs)
 
 
 @pytest.mark.parametrize("kind", attention.names())
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_and_grad_every_model_every_kind(family, kind):
-    model = build(family, kind)
-    loss, params, rest, args, kwargs = jitted_loss(model, family)
-    value, grads = jax.value_and_grad(loss)(params, rest, args, kwargs)
+    value, grads = loss_and_grads(build(family, kind), family)
     assert np.isfinite(float(value))
     flat = jax.tree.leaves(grads)
     assert all(np.all(np.isfinite(np.asarray(g))) for g in flat)

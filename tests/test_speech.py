@@ -291,7 +291,8 @@ def test_espeak_without_its_library_names_the_pip_command_or_falls_back_to_the_p
 def test_espeak_corpus_has_real_16khz_speech_with_transcripts(tiny_corpus):
     from favor.data import espeak
     builder, _ = tiny_corpus
-    assert builder.info.features["speech"].sample_rate == 16000
+    assert builder.info.metadata["sample_rate"] == 16000
+    assert builder.info.features["speech"].dtype == np.int16
     source = builder.as_data_source(split="train")
     assert len(source) == 8
     words = set(espeak.DIGITS + espeak.ACTIONS + espeak.COLOURS + espeak.THINGS + ("THE", "UP", "DOWN", "ON", "LEFT",
@@ -394,7 +395,7 @@ def test_hard_espeak_corpus_draws_longer_noisier_perturbed_speech_and_keeps_the_
         ex = espeak.utterance(0, "train", i, config=hard)
         assert ex["text"] == d.text and ex["speech"].dtype == np.int16
         assert len(ex["speech"]) == math.ceil(len(native) * 320 / round(441 * d.speed)), (d.speed, len(native))
-    # the default corpus: the same draws as ever (a cached favor_speech 1.2.0 stays valid)
+    # the default corpus: the same draws as ever (versions 1.2.0 and 1.3.0 hold the same samples)
     pinned = {("train", 0): ("OPEN THE GREEN DOOR", 0, 131, 33, 42.132716),
               ("validation", 5): ("ONE ONE FOUR", 10, 162, 47, 32.454537),
               ("test", 7): ("TAKE THE BLACK CUP ON THE RIGHT", 12, 175, 61, 33.650831)}

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from favor import attention, runtime
 from favor.bench import sections
-from favor.bench.common import (B, D, H, M, compile_fn, flops_of, ints, matmul_seconds, memory_budget, setup,
-                                specs, timed)
+from favor.bench.common import (B, D, H, M, compile_fn, counted_flops, ints, layer_fn, matmul_seconds,
+                                memory_budget, setup, specs, timed)
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -24,23 +23,16 @@ LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 def measure(spec, length, causal, repeats):
     attn, twin, (q, k, v, rng), stats = setup(spec, length, causal)
 
-    def fwd(q, k, v, rng):
-        return attn(q, k, v, causal=causal, rng=rng, stats=stats)
-
-    def fwd_bwd(q, k, v, rng):
-        return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, causal=causal, rng=rng, stats=stats)),
-                        argnums=(0, 1, 2))(q, k, v)
-
     row = {"kind": spec, "length": length, "causal": causal}
-    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        compiled, peak, flops = compile_fn(fn, (q, k, v, rng))
+    for name in ("fwd", "fwd_bwd"):
+        grad = name == "fwd_bwd"
+        compiled, peak, flops = compile_fn(layer_fn(attn, causal, stats, grad), (q, k, v, rng))
         if peak is not None and peak > memory_budget():
             # exact softmax at 16k: running it would get the process OOM-killed, losing the run
             row[name] = {"seconds": None, "peak_bytes": peak, "flops": flops, "matmul_seconds": None,
                          "skipped": f"needs {peak / 2 ** 30:.1f} GiB > budget {memory_budget() / 2 ** 30:.1f} GiB"}
             continue
-        if twin is not attn:
-            flops = flops_of(twin, causal, q, k, v, rng, stats, grad=name == "fwd_bwd")
+        flops = counted_flops(attn, twin, causal, (q, k, v, rng), stats, grad, flops)
         seconds = timed(compiled, (q, k, v, rng), repeats)
         row[name] = {"seconds": seconds, "peak_bytes": peak, "flops": flops,
                      "matmul_seconds": matmul_seconds(flops, repeats) if flops > 0 else None}

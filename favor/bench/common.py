@@ -80,11 +80,28 @@ def flop_twin(kind, opts, length, causal):
     return attention.get(kind, **{**opts, "chunk_size": length})
 
 
-def flops_of(attn, causal, q, k, v, rng, stats, grad):
+def layer_fn(attn, causal, stats, grad):
+    """The benchmarked function of (q, k, v, rng): the layer's forward, or with `grad` its forward and
+    backward (d/d(q, k, v) of the outputs' sum)."""
     def f(q, k, v, rng):
         out = lambda q, k, v: attn(q, k, v, causal=causal, rng=rng, stats=stats)
         return jax.grad(lambda *a: jnp.sum(out(*a)), argnums=(0, 1, 2))(q, k, v) if grad else out(q, k, v)
-    return compile_fn(f, (q, k, v, rng))[2]
+    return f
+
+
+def flops_of(attn, causal, q, k, v, rng, stats, grad):
+    return compile_fn(layer_fn(attn, causal, stats, grad), (q, k, v, rng))[2]
+
+
+def counted_flops(attn, twin, causal, args, stats, grad, flops):
+    """The FLOPs of `attn`'s program, whose own cost analysis gave `flops`: those when its FLOP twin
+    (`flop_twin`) traces to the same program — at short lengths the layer runs one chunk and one span,
+    with no loop for the analysis to undercount —, else the twin's, compiled for it (a second compile,
+    the bench's slowest part at short lengths, made only when it counts something else)."""
+    if twin is attn:
+        return flops
+    trace = lambda a: str(jax.make_jaxpr(layer_fn(a, causal, stats, grad))(*args))
+    return flops if trace(twin) == trace(attn) else flops_of(twin, causal, *args, stats, grad=grad)
 
 
 def setup(spec, length, causal):

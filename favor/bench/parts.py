@@ -7,7 +7,8 @@ import jax.numpy as jnp
 
 from favor import attention, runtime
 from favor.bench import sections
-from favor.bench.common import B, D, H, M, compile_fn, flop_twin, flops_of, kind_options, matmul_seconds, timed
+from favor.bench.common import (B, D, H, M, compile_fn, counted_flops, flop_twin, kind_options, layer_fn,
+                                matmul_seconds, timed)
 
 
 def parts(length, repeats):
@@ -18,9 +19,8 @@ def parts(length, repeats):
     attn = attention.get(kind, **opts)
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
-    fwd = lambda q, k, v, rng: attn(q, k, v, rng=rng)
-    compiled, _, _ = compile_fn(fwd, (q, k, v, ks[3]))
-    flops = flops_of(flop_twin(kind, opts, length, False), False, q, k, v, ks[3], None, grad=False)
+    compiled, _, own = compile_fn(layer_fn(attn, False, None, False), (q, k, v, ks[3]))
+    flops = counted_flops(attn, flop_twin(kind, opts, length, False), False, (q, k, v, ks[3]), None, False, own)
     yard = matmul_seconds(flops, repeats)
     n, f32 = B * H * length, jnp.float32
     x = jax.random.normal(ks[0], (n, D + 2), f32)             # [u, ‖u‖², 1]: the library's one-matmul form

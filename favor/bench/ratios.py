@@ -8,11 +8,10 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 from favor import attention, runtime
 from favor.bench import sections
-from favor.bench.common import B, D, H, M, compile_fn, flops_of, setup, square_matmul
+from favor.bench.common import B, D, H, M, compile_fn, counted_flops, layer_fn, setup, square_matmul
 
 # The long-sequence speed targets, each "numerator : denominator ≤ target". An entry is kind/mode; "matmul:kind/mode"
 # is a square matmul with that entry's forward FLOP count (as in the attention table).
@@ -52,12 +51,8 @@ def _forward(spec, length, causal, grad=False):
     """(compiled forward — or forward and backward with `grad` —, its arguments, its FLOPs) of one kind,
     set up as `measure` does."""
     attn, twin, args, stats = setup(spec, length, causal)
-    fwd = lambda q, k, v, r: attn(q, k, v, causal=causal, rng=r, stats=stats)
-    fn = (lambda q, k, v, r: jax.grad(lambda *a: jnp.sum(fwd(*a, r)), argnums=(0, 1, 2))(q, k, v)) if grad else fwd
-    compiled, _, flops = compile_fn(fn, args)
-    if twin is not attn:
-        flops = flops_of(twin, causal, *args, stats, grad=grad)
-    return compiled, args, flops
+    compiled, _, flops = compile_fn(layer_fn(attn, causal, stats, grad), args)
+    return compiled, args, counted_flops(attn, twin, causal, args, stats, grad, flops)
 
 
 def ratios(targets, length, rounds, seed=0):
