@@ -104,6 +104,42 @@ def test_runs_that_differ_in_their_seed_share_their_programs():
     assert not np.array_equal(keys[0][0], keys[1][0]) and not np.array_equal(keys[0][1], keys[1][1])
 
 
+def test_a_non_finite_step_keeps_the_state_and_the_guard_is_linear_in_the_leaves():
+    """apply_if_finite: finite loss, gradients and parameters take the update; any NaN or inf keeps every
+    updated entry as it was and records the first such step. Its compiled program grows linearly with the
+    number of parameter arrays: a select per leaf that recomputed the finiteness of all of them made the
+    guard quadratic (most of a small model's train step, in compile time)."""
+    def state_of(n, value):
+        return {"step": jnp.int32(3), "bad_step": jnp.int32(-1),
+                "params": {f"p{i}": jnp.full((3,), value) for i in range(n)},
+                "opt_state": {f"m{i}": jnp.full((2,), value) for i in range(n)}}
+
+    guard = jax.jit(lambda s, loss, g, p, o: steps.apply_if_finite(s, loss, g, params=p, opt_state=o))
+    old, new = state_of(4, 1.0), state_of(4, 2.0)
+    for bad in (None, ("loss", jnp.nan), ("grads", jnp.inf), ("params", -jnp.inf)):
+        loss, grads, params = jnp.float32(0.5), new["params"], dict(new["params"])
+        if bad and bad[0] == "loss":
+            loss = jnp.float32(bad[1])
+        elif bad and bad[0] == "grads":
+            grads = dict(grads, p2=jnp.array([0.0, bad[1], 0.0]))
+        elif bad:
+            params["p3"] = jnp.array([bad[1], 0.0, 0.0])
+        out = guard(old, loss, grads, params, new["opt_state"])
+        assert int(out["step"]) == 4 and int(out["bad_step"]) == (-1 if bad is None else 3), bad
+        expect = new if bad is None else old
+        for key in ("params", "opt_state"):
+            for name, a in out[key].items():
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(expect[key][name]), err_msg=f"{bad} {name}")
+    # a later bad step leaves the first one recorded
+    again = guard(dict(old, bad_step=jnp.int32(1)), jnp.float32(jnp.nan), new["params"], new["params"], new["opt_state"])
+    assert int(again["bad_step"]) == 1
+
+    def compiled_size(n):
+        s = state_of(n, 1.0)
+        return len(guard.lower(s, jnp.float32(0.5), s["params"], s["params"], s["opt_state"]).compile().as_text())
+    assert compiled_size(120) < 2.5 * compiled_size(60)
+
+
 def test_train_step_accumulating_two_microbatches_equals_one_big_batch():
     state, batch, static = _step_inputs()
     one, m1 = jax.jit(partial(steps.train_step, **static, accumulate=1))(state, batch)
