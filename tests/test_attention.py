@@ -32,7 +32,7 @@ def make(kind, **opts):
     """The test instance of `kind` with `opts`, one per kind and options for the test process. The eager
     passes compile per feature map and shape, and a feature map is a bound method, equal only for the
     same instance: tests that share an instance (and shapes) share those programs."""
-    key = (kind, tuple(sorted(opts.items())))
+    key = (kind, tuple(sorted((k, type(v).__name__, v) for k, v in opts.items())))     # True is not 1
     if key not in _MADE:
         base = {"num_features": 16} if kind in RF_KINDS else {}
         if kind == "hrf":       # m = 8 frequencies per base estimator, n = 4 λ features: width 4·m·(n + 1)
@@ -788,8 +788,6 @@ def test_a_single_chunk_takes_the_whole_array_program():
 def test_the_passes_inline_into_a_traced_caller_and_compile_when_eager(causal, monkeypatch):
     """Inside a caller's trace the passes are plain code (no nested jit, which XLA:CPU fuses apart from
     its caller); an eager call runs them compiled; both give the same attention."""
-    # shapes no other test uses: `make` gives one instance per options, so a shape another test ran
-    # with it would find its compiled program already cached
     q, k, v = qkv(b=1, lq=23, lk=23, h=3, dv=7)
     attn = make("favor+", redraw="fixed")
     program = jax.make_jaxpr(lambda q, k, v: attn(q, k, v, causal=causal))(q, k, v)

@@ -359,7 +359,7 @@ class FavorSpeech(tfds.core.GeneratorBasedBuilder):
         return self.dataset_info_from_configs(
             features=tfds.features.FeaturesDict({
                 # LibriSpeech's samples (16 kHz int16, the rate in the metadata) as a plain tensor: tfds'
-                # Audio feature needs TensorFlow, a 3.5 s import in every run that reads the corpus
+                # Audio feature needs TensorFlow, a slow import in every run that reads the corpus
                 "speech": tfds.features.Tensor(shape=(None,), dtype=np.int16),
                 "text": tfds.features.Text(),
                 "speaker_id": np.int64,
