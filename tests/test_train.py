@@ -131,7 +131,8 @@ def test_a_non_finite_step_keeps_the_state_and_the_guard_is_linear_in_the_leaves
             for name, a in out[key].items():
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(expect[key][name]), err_msg=f"{bad} {name}")
     # a later bad step leaves the first one recorded
-    again = guard(dict(old, bad_step=jnp.int32(1)), jnp.float32(jnp.nan), new["params"], new["params"], new["opt_state"])
+    again = guard(dict(old, bad_step=jnp.int32(1)), jnp.float32(jnp.nan), new["params"], new["params"],
+                  new["opt_state"])
     assert int(again["bad_step"]) == 1
 
     def compiled_size(n):
