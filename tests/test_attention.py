@@ -28,11 +28,16 @@ DATA_DEPENDENT = [k for k in RF_KINDS if attention.get(k).data_dependent]
 _MADE = {}
 
 
+def options_key(opts):
+    """Options as a cache key; each value's type is part of it (True is not 1)."""
+    return tuple(sorted((k, type(v).__name__, v) for k, v in opts.items()))
+
+
 def make(kind, **opts):
     """The test instance of `kind` with `opts`, one per kind and options for the test process. The eager
     passes compile per feature map and shape, and a feature map is a bound method, equal only for the
     same instance: tests that share an instance (and shapes) share those programs."""
-    key = (kind, tuple(sorted((k, type(v).__name__, v) for k, v in opts.items())))     # True is not 1
+    key = (kind, options_key(opts))
     if key not in _MADE:
         base = {"num_features": 16} if kind in RF_KINDS else {}
         if kind == "hrf":       # m = 8 frequencies per base estimator, n = 4 λ features: width 4·m·(n + 1)
@@ -51,7 +56,7 @@ def grads_program(kind, causal, **opts):
     kept for the test process (test_window's gradient checks come here too): the gradient tests below
     differ only in these arguments and in the weights, so they run the same compiled programs
     (compiling a value-and-gradient program is most of such a test's time)."""
-    key = (kind, causal, tuple(sorted(opts.items())))
+    key = (kind, causal, options_key(opts))
     if key not in _PROGRAMS:
         attn = make(kind, **opts)
 

@@ -9,6 +9,7 @@ import pytest
 from favor import attention
 from favor.attention import linear
 from favor.attention.kinds import _to_bhld
+from test_attention import options_key
 
 SIGNED = ("favor", "hrf")
 
@@ -68,7 +69,7 @@ _LAYERS = {}
 def _layer(kind, chunk=4, **opts):
     """One instance per kind and options for the module: the eager passes compile per feature map (a
     bound method, equal only for the same instance) and shape, so tests that share one share those."""
-    key = (kind, chunk, tuple(sorted((k, type(v).__name__, v) for k, v in opts.items())))
+    key = (kind, chunk, options_key(opts))
     if key not in _LAYERS:
         _LAYERS[key] = attention.get(kind, num_features=32, chunk_size=chunk, **opts)
     return _LAYERS[key]

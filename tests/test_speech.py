@@ -4,6 +4,7 @@ data, and the espeak-ng corpus."""
 import itertools
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -319,6 +320,27 @@ def test_espeak_corpus_has_real_16khz_speech_with_transcripts(tiny_corpus):
     d = espeak.draw(0, "train", 3)
     native = espeak.synthesize(d.text, espeak.VOICES[d.speaker], d.rate, d.pitch)
     assert len(a["speech"]) == math.ceil(len(native) * 16000 / 22050) and a["text"] == d.text
+
+
+READS_WITHOUT_TENSORFLOW = """
+import sys
+from favor import data
+src = data.get({"name": "speech", "dataset": "local:tiny", "data_dir": sys.argv[1], "train_split": "train",
+                "eval_split": "validation", "vocab_size": 48, "max_frames": 400, "buckets": (400,)})
+batch = next(src.train_batches(4, 0, 0))
+assert batch["features"].shape[:2] == (4, 400)
+loaded = sorted(m for m in sys.modules if m == "tensorflow" or m.startswith("tensorflow.python"))
+assert not loaded, loaded[:5]
+"""
+
+
+def test_the_espeak_corpus_is_read_without_tensorflow(tiny_corpus):
+    """A speech run on the local corpus (its tokenizer trained, a batch read) never imports TensorFlow:
+    the corpus stores its samples as a plain tensor, not tfds' Audio feature."""
+    _, root = tiny_corpus
+    done = subprocess.run([sys.executable, "-c", READS_WITHOUT_TENSORFLOW, str(root)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_speech_source_on_the_espeak_corpus_gives_alignable_batches(tiny_corpus):
