@@ -114,6 +114,7 @@ def main(argv):
     favor_log.setLevel(logging.INFO)
     favor_log.propagate = False
     runtime.keep_host_pages()
+    runtime.collect_less()
     if MULTIHOST.value or COORDINATOR.value:
         import jax
         # CPU processes talk through gloo (GPU and TPU backends use their own collectives)

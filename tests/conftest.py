@@ -40,7 +40,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from favor import runtime  # noqa: E402
 from favor.repro.sampling import repeated_estimates  # noqa: E402,F401  (the tests import it from here)
+
+runtime.collect_less()      # as train.py does: the tests trace thousands of programs (favor/runtime.py says why)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

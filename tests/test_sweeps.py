@@ -1,9 +1,11 @@
 """Sweeps end in a comparison: sweep products and names, the local launcher (parallel, skip finished,
 failures listed), and favor.tools.report's table, seed statistics and plot."""
 
+import ast
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -382,3 +384,39 @@ def test_report_names_empty_settings_none_and_plots_the_setting_means(tmp_path):
     finally:
         plt.Figure.savefig = original
     assert saved[0][2] == "final accuracy per setting" and (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+READ_EVENTS = """
+import sys
+from pathlib import Path
+from favor.tools import report
+print(report.read_events(Path(sys.argv[1])))
+assert "tensorflow" not in sys.modules, "tensorflow imported"
+"""
+
+
+def test_report_reads_events_without_tensorflow_and_stops_at_a_record_being_written(tmp_path):
+    """The report's reader gives every scalar favor wrote, in step order with the last write of a step
+    kept, without importing TensorFlow (seconds of a report's start-up); a record cut short (a run writing
+    as the report reads) ends that file's reading where the whole records end."""
+    writer = events.ScalarWriter(tmp_path / "tb")
+    writer.write_scalars(7, {"loss": 0.75})
+    writer.write_scalars(3, {"loss": 1.5, "eval/accuracy": 0.25})
+    writer.write_scalars(7, {"loss": np.float32(0.5)})
+    writer.close()
+    (path,) = (tmp_path / "tb").iterdir()
+    whole = path.read_bytes()
+    expected = {"loss": [(3, 1.5), (7, 0.5)], "eval/accuracy": [(3, 0.25)]}
+    done = subprocess.run([sys.executable, "-c", READ_EVENTS, str(tmp_path / "tb")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ast.literal_eval(done.stdout) == expected
+    # the last record (step 7's second write) cut in the middle, as a run writing it leaves the file: the
+    # records are framed as [length: uint64][crc: 4 bytes][data][crc: 4 bytes]
+    starts, pos = [], 0
+    while pos < len(whole):
+        starts.append(pos)
+        pos += 8 + 4 + struct.unpack("<Q", whole[pos:pos + 8])[0] + 4
+    assert pos == len(whole) and len(starts) == 5            # the file version record, then one per scalar
+    path.write_bytes(whole[:starts[-1] + (len(whole) - starts[-1]) // 2])
+    assert report.read_events(tmp_path / "tb") == {"loss": [(3, 1.5), (7, 0.75)], "eval/accuracy": [(3, 0.25)]}

@@ -86,12 +86,27 @@ def read_events(tb_dir: Path) -> dict:
     (a resumed run appends files; a step written twice keeps its last value)."""
     if not tb_dir.is_dir():
         return {}
-    # tensorboard's own reader and protos (no TensorFlow import needed), loaded when a report reads events
-    from tensorboard.backend.event_processing import event_file_loader
+    # tensorboard's record reader and protos, loaded when a report reads events. Its TensorFlow-free reader:
+    # tensorboard's event loader reads through TensorFlow whenever TensorFlow is installed (tensorflow-datasets
+    # brings it), and importing TensorFlow costs a report process seconds for records this one reads alike.
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow
     from tensorboard.util import tensor_util
+
+    def events(path):
+        reader = pywrap_tensorflow.PyRecordReader_New(str(path))
+        while True:
+            try:
+                reader.GetNext()
+            except errors.OutOfRangeError:
+                return
+            except errors.DataLossError:     # a record still being written by a live run: read it next time
+                return
+            yield event_pb2.Event.FromString(reader.record())
+
     curves: dict = {}
     for f in sorted(tb_dir.rglob("events.out.tfevents.*"), key=lambda p: (p.stat().st_mtime, p.name)):
-        for event in event_file_loader.EventFileLoader(str(f)).Load():
+        for event in events(f):
             for value in event.summary.value:
                 if value.HasField("tensor"):
                     x = tensor_util.make_ndarray(value.tensor)
