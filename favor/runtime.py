@@ -40,12 +40,12 @@ def keep_host_pages() -> bool:
 
 
 # Tracing and lowering a model allocate many short-lived objects in reference cycles (tracers, jaxpr
-# equations, MLIR handles): at Python's default youngest-generation threshold (700 net allocations) a run
-# collects about a thousand times before its first step, scanning the same young objects again and
-# again. At 20,000 the collections are dozens of times fewer and the garbage is the same: cycles are still
-# freed, only in larger batches. The older generations keep the default ratios (10 and 10), so a full
-# collection still follows every hundred young ones. The CPU time this saves is in BENCHMARKS.md
-# (design-measurements).
+# equations, MLIR handles): at the default youngest-generation threshold (700 net allocations up to
+# Python 3.13) a run collects about a thousand times before its first step, scanning the same young
+# objects again and again. At 20,000 the collections are dozens of times fewer and the garbage is the
+# same: cycles are still freed, only in larger batches. The older generations keep the default ratios
+# (10 and 10), so a full collection still follows every hundred young ones. The CPU time this saves is
+# in BENCHMARKS.md (design-measurements).
 GC_THRESHOLDS = (20_000, 10, 10)
 
 

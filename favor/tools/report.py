@@ -87,8 +87,8 @@ def read_events(tb_dir: Path) -> dict:
     if not tb_dir.is_dir():
         return {}
     # tensorboard's record reader and protos, loaded when a report reads events. Its TensorFlow-free reader:
-    # tensorboard's event loader reads through TensorFlow whenever TensorFlow is installed (tensorflow-datasets
-    # brings it), and importing TensorFlow costs a report process seconds for records this one reads alike.
+    # tensorboard's event loader reads through TensorFlow whenever TensorFlow is installed (favor depends on
+    # it for the data pipelines), and importing TensorFlow costs a report process seconds for the same records.
     from tensorboard.compat.proto import event_pb2
     from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow
     from tensorboard.util import tensor_util
@@ -100,7 +100,9 @@ def read_events(tb_dir: Path) -> dict:
                 reader.GetNext()
             except errors.OutOfRangeError:
                 return
-            except errors.DataLossError:     # a record still being written by a live run: read it next time
+            except errors.DataLossError:
+                # a record cut short (a live run is writing it: the next report reads it whole) or one failing
+                # its CRC: the file's whole records before it are what it holds, as TensorBoard reads it too
                 return
             yield event_pb2.Event.FromString(reader.record())
 
