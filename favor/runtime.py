@@ -49,9 +49,6 @@ def keep_host_pages() -> bool:
 GC_THRESHOLDS = (20_000, 10, 10)
 
 
-def collect_less() -> tuple:
-    """Raise the garbage collector's thresholds to GC_THRESHOLDS (once per process; results unchanged).
-    Returns the thresholds before."""
-    before = gc.get_threshold()
+def collect_less() -> None:
+    """Set the garbage collector's thresholds to GC_THRESHOLDS for this process (results unchanged)."""
     gc.set_threshold(*GC_THRESHOLDS)
-    return before

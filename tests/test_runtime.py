@@ -8,7 +8,8 @@ from favor import runtime
 
 
 class Node:
-    pass
+    """One end of a reference cycle, weakly referable so the test can see whether it was freed."""
+    __slots__ = ("other", "__weakref__")
 
 
 def test_raised_thresholds_still_free_reference_cycles():
