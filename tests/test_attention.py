@@ -789,6 +789,24 @@ def test_a_single_chunk_takes_the_whole_array_program():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["favor+", "favor"])
+def test_a_single_causal_span_takes_no_scan(kind):
+    """A causal sequence within one span: the fast path's program has no scan and no rematerialisation,
+    and gives the outputs and gradients of the same sequence run as several spans (the carried sums)."""
+    q, k, v = qkv(lq=12, lk=12, seed=3)
+    mask = key_mask(lk=12)
+    one, spans = (make(kind, chunk_size=4, causal_span=s, causal_path="fast", redraw="fixed") for s in (16, 4))
+    loss = lambda attn: lambda q, k, v: jnp.sum(jnp.sin(attn(q, k, v, mask=mask, causal=True)))
+    program = str(jax.make_jaxpr(jax.grad(loss(one), (0, 1, 2)))(q, k, v))
+    assert "scan" not in program and "remat" not in program and "checkpoint" not in program
+    assert "scan" in str(jax.make_jaxpr(loss(spans))(q, k, v))
+    run = lambda attn: jax.jit(jax.value_and_grad(loss(attn), (0, 1, 2)))(q, k, v)
+    (a, ga), (b, gb) = run(one), run(spans)
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    for x, y in zip(ga, gb):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_passes_inline_into_a_traced_caller_and_compile_when_eager(causal, monkeypatch):
     """Inside a caller's trace the passes are plain code (no nested jit, which XLA:CPU fuses apart from

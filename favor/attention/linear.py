@@ -466,8 +466,15 @@ def causal_sums(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span
     width = f if sk0 is None else sk0.shape[-1]
     init = (jnp.zeros((b, h), bool), jnp.full((b, h, f), NEG_INF, F32), jnp.zeros((b, h, width, v1.shape[-1]), F32))
     step = partial(_causal_span, query_map, key_map, ctx, c, path)
-    # under jax.checkpoint the backward pass makes each span's features again instead of storing them
-    _, (out, scale) = jax.lax.scan(jax.checkpoint(step), init, (xs, ys, v1s, valids))
+    if valids.shape[0] == 1:
+        # one span (L ≤ its tokens): the step as plain code, as the bidirectional pass's one chunk. A scan
+        # of one step only adds the checkpoint's recompute of the span's features in the backward pass,
+        # and a larger program to compile; a span's arrays are at most a bidirectional chunk's
+        _, (out, scale) = step(init, jax.tree.map(lambda a: a[0], (xs, ys, v1s, valids)))
+        out, scale = out[None], scale[None]
+    else:
+        # under jax.checkpoint the backward pass makes each span's features again instead of storing them
+        _, (out, scale) = jax.lax.scan(jax.checkpoint(step), init, (xs, ys, v1s, valids))
     n, b, h, _, d = out.shape
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * s, d)[:, :, :l]
     return out, jnp.moveaxis(scale, 0, 2).reshape(b, h, n * s)[:, :, :l]
