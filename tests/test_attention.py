@@ -231,8 +231,8 @@ def test_auto_takes_the_exact_path_outside_the_fast_paths_guarantee():
 
 
 # The causal scan carries its key sum from span to span (favor.attention.linear: spans of
-# `causal_span` tokens, a whole number of chunks). The tests above run one span (L < 512); these run
-# several: causal_span=8 with chunks of 4, L = 21 (spans 8 + 8 + 5).
+# `causal_span` tokens, a whole number of chunks). The tests above run one span (L < 512: its step
+# without the scan); these run several: causal_span=8 with chunks of 4, L = 21 (spans 8 + 8 + 5).
 SPAN_KINDS = ("favor+", "favor", "favor#", "hrf")
 
 

@@ -358,8 +358,9 @@ def _row_scaled(lk, sk):
 # -- causal -------------------------------------------------------------------------------------------
 # The causal pass is a scan over spans of CAUSAL_SPAN tokens (a whole number of chunks) that makes each
 # span's features inside its step, as the bidirectional pass does, and carries the running key sum from
-# span to span. Within a span the chunks of `chunk_size` tokens share one causal reference, so their
-# states are on one scale and their prefixes are a plain cumulative sum (no scan over chunks).
+# span to span (a sequence of one span runs its step without the scan). Within a span the chunks of
+# `chunk_size` tokens share one causal reference, so their states are on one scale and their prefixes
+# are a plain cumulative sum (no scan over chunks).
 CAUSAL_SPAN = 512
 
 
@@ -469,7 +470,8 @@ def causal_sums(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span
     if valids.shape[0] == 1:
         # one span (L ≤ its tokens): the step as plain code, as the bidirectional pass's one chunk. A scan
         # of one step only adds the checkpoint's recompute of the span's features in the backward pass,
-        # and a larger program to compile; a span's arrays are at most a bidirectional chunk's
+        # and a larger program to compile (BENCHMARKS.md, one-span-causal-ab); a span's arrays are at
+        # most a bidirectional chunk's
         _, (out, scale) = step(init, jax.tree.map(lambda a: a[0], (xs, ys, v1s, valids)))
         out, scale = out[None], scale[None]
     else:
