@@ -468,10 +468,9 @@ def causal_sums(query_map, key_map, ctx, x, y, v1, valid, chunk_size, path, span
     init = (jnp.zeros((b, h), bool), jnp.full((b, h, f), NEG_INF, F32), jnp.zeros((b, h, width, v1.shape[-1]), F32))
     step = partial(_causal_span, query_map, key_map, ctx, c, path)
     if valids.shape[0] == 1:
-        # one span (L ≤ its tokens): the step as plain code, as the bidirectional pass's one chunk. A scan
-        # of one step only adds the checkpoint's recompute of the span's features in the backward pass,
-        # and a larger program to compile (BENCHMARKS.md, one-span-causal-ab); a span's arrays are at
-        # most a bidirectional chunk's
+        # one span (L ≤ its tokens): the step as plain code. A scan of one step only adds the checkpoint's
+        # recompute of the span's features in the backward pass, and a larger program to compile; XLA:CPU's
+        # temporary memory per layer is no higher without it (BENCHMARKS.md, one-span-causal-ab)
         _, (out, scale) = step(init, jax.tree.map(lambda a: a[0], (xs, ys, v1s, valids)))
         out, scale = out[None], scale[None]
     else:
