@@ -21,6 +21,29 @@ def test_orthogonal_rows_within_blocks():
     assert abs(w[0] @ w[8]) > 1e-3
 
 
+@pytest.mark.parametrize("coupling", kernels.COUPLINGS)
+def test_groups_of_one_draw_are_independent_and_each_coupled(coupling):
+    """projection_groups (HRF's three draws from one sample): each group has its size, is coupled within
+    its own blocks (orthogonal: a block's rows are orthogonal), and shares no block with another group:
+    over many keys, row 0 of group 0 and row 0 of group 1 are uncorrelated in every coordinate pair and
+    their inner product has the second moment of independent Gaussian rows (within 5 standard errors)."""
+    d, sizes, reps = 4, (6, 4, 3), 2000
+    keys = jax.random.split(jax.random.PRNGKey(7), reps)
+    groups = jax.vmap(lambda k: couplings.projection_groups(k, sizes, d, coupling))(keys)
+    assert [g.shape for g in groups] == [(reps, m, d) for m in sizes]
+    a, b = (np.asarray(g, np.float64) for g in groups[:2])
+    if coupling == "orthogonal":
+        blk = a[0, :d] @ a[0, :d].T
+        assert np.allclose(blk - np.diag(np.diag(blk)), 0.0, atol=1e-4)
+    corr = np.einsum("ri,rj->ij", a[:, 0], b[:, 0]) / reps          # E[x_i y_j] = 0 if independent
+    se = np.sqrt(np.einsum("ri,rj->ij", a[:, 0] ** 2, b[:, 0] ** 2) / reps - corr ** 2) / math.sqrt(reps)
+    assert np.all(np.abs(corr) < 5 * se), corr / se
+    # independent N(0, I_d) rows have E[(x·y)²] = d; two rows of one orthogonal block have x·y = 0 and
+    # of one simplex block (x·y)² = |x|²|y|²/(d − 1)², so this tells a shared block apart
+    dots = np.einsum("ri,ri->r", a[:, 0], b[:, 0]) ** 2
+    assert abs(dots.mean() - d) < 5 * dots.std() / math.sqrt(reps), dots.mean()
+
+
 @pytest.mark.parametrize("d", [4, 16])
 def test_simplex_angle(d):
     w = np.asarray(kernels.draw(jax.random.PRNGKey(1), d, d, "simplex").omega, np.float64)
@@ -59,13 +82,13 @@ def test_rows_marginally_gaussian(coupling):
 def test_haar_factor_has_no_sign_bias():
     """Without the sign correction QR's Q has a biased diagonal; Haar's is mean-zero."""
     reps, d = 4000, 4
-    keys = jax.random.split(jax.random.PRNGKey(4), reps)
-    q = np.asarray(jax.vmap(lambda k: couplings.haar_orthogonal(k, d))(keys), np.float64)
+    g = jax.random.normal(jax.random.PRNGKey(4), (reps, d, d))
+    q = np.asarray(jax.vmap(couplings.haar_from_gaussian)(g), np.float64)
     diag = q[:, np.arange(d), np.arange(d)]
     se = diag.std(0) / math.sqrt(reps)
     assert np.all(np.abs(diag.mean(0)) < 5 * se), diag.mean(0)
-    # and the raw QR factor does have the bias this guards against
-    raw = np.asarray(jax.vmap(lambda k: couplings.householder_qr(jax.random.normal(k, (d, d)))[0])(keys))
+    # and the raw QR factor of the same matrices does have the bias this guards against
+    raw = np.asarray(jax.vmap(couplings.householder_qr)(g)[0])
     raw_diag = raw[:, np.arange(d), np.arange(d)]
     assert np.any(np.abs(raw_diag.mean(0)) > 10 * se)
 

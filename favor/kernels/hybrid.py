@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.kernels.base import (Mechanism, check_num_features, check_rows, check_sets, log_abs_sign, pytree_dataclass, static)
-from favor.kernels.couplings import Projections, check_coupling, draw as draw_projections
+from favor.kernels.couplings import Projections, check_coupling, draw_groups
 from favor.kernels import stats
 from favor.kernels.sincos import sin_cos_features
 
@@ -123,10 +123,8 @@ class _HybridBase(Mechanism):
     def draw_base(self, key, num_features, dim, coupling="iid"):
         m = check_num_features(num_features)
         check_coupling(coupling)
-        kp, kt, kl = jax.random.split(key, 3)
-        return HybridDraw(pos=draw_projections(kp, m, dim, coupling),
-                          trig=draw_projections(kt, m, dim, coupling),
-                          lam=draw_projections(kl, self.n, dim, coupling))
+        pos, trig, lam = draw_groups(key, (m, m, self.n), dim, coupling)
+        return HybridDraw(pos=pos, trig=trig, lam=lam)
 
     def query_log_features(self, x, w, params):
         return self._features(x, w, params, "q")
