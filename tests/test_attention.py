@@ -434,10 +434,18 @@ def check_prefill(attn, states, q, k, v, ctx, valid, step, outs):
         for name in state:
             np.testing.assert_allclose(np.asarray(state[name]), np.asarray(states[p][name]), rtol=2e-5, atol=1e-6,
                                        err_msg=f"{attn.name} {name} after {p} tokens")
+    # the two orders of summation round differently; for sign-indefinite kinds that rounding is amplified by
+    # the ratio's condition (reference.attention), so their outputs may differ by a few float32 units of it
+    atol = np.full(outs.shape[:3] + (1,), 1e-6)
+    if not getattr(attn, "positive", True):
+        _, cond = reference.attention(attn, q, k, v, ctx, valid, True, window=getattr(attn, "window", 0))
+        atol = atol + 4 * np.finfo(np.float32).eps * cond[..., None]
     state = prefill(k[:, :5], v[:, :5], ctx, valid[:, :5])
     for t in range(5, q.shape[1]):
         o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
-        np.testing.assert_allclose(np.asarray(o), np.asarray(outs[:, t:t + 1]), rtol=2e-5, atol=1e-6)
+        o, want = np.asarray(o, np.float64), np.asarray(outs[:, t:t + 1], np.float64)
+        bad = np.abs(o - want) > 2e-5 * np.abs(want) + atol[:, t:t + 1]
+        assert not bad.any(), (attn.name, t, np.argwhere(bad)[:3], o[bad], want[bad])
 
 
 @pytest.mark.parametrize("kind", LINEAR)

