@@ -24,24 +24,28 @@ def test_orthogonal_rows_within_blocks():
 @pytest.mark.parametrize("coupling", kernels.COUPLINGS)
 def test_groups_of_one_draw_are_independent_and_each_coupled(coupling):
     """projection_groups (HRF's three draws from one sample): each group has its size, is coupled within
-    its own blocks (orthogonal: a block's rows are orthogonal), and shares no block with another group:
-    over many keys, row 0 of group 0 and row 0 of group 1 are uncorrelated in every coordinate pair and
-    their inner product has the second moment of independent Gaussian rows (within 5 standard errors)."""
+    its own blocks (orthogonal: the rows of a block are orthogonal), and shares no block with another
+    group: over many keys, pairs of rows from two groups (the first rows, and each group's last row with
+    the next group's first) are uncorrelated in every coordinate and their inner product has the second
+    moment of independent Gaussian rows (within 5 standard errors)."""
     d, sizes, reps = 4, (6, 4, 3), 2000
     keys = jax.random.split(jax.random.PRNGKey(7), reps)
-    groups = jax.vmap(lambda k: couplings.projection_groups(k, sizes, d, coupling))(keys)
+    groups = [np.asarray(g, np.float64)
+              for g in jax.vmap(lambda k: couplings.projection_groups(k, sizes, d, coupling))(keys)]
     assert [g.shape for g in groups] == [(reps, m, d) for m in sizes]
-    a, b = (np.asarray(g, np.float64) for g in groups[:2])
     if coupling == "orthogonal":
-        blk = a[0, :d] @ a[0, :d].T
-        assert np.allclose(blk - np.diag(np.diag(blk)), 0.0, atol=1e-4)
-    corr = np.einsum("ri,rj->ij", a[:, 0], b[:, 0]) / reps          # E[x_i y_j] = 0 if independent
-    se = np.sqrt(np.einsum("ri,rj->ij", a[:, 0] ** 2, b[:, 0] ** 2) / reps - corr ** 2) / math.sqrt(reps)
-    assert np.all(np.abs(corr) < 5 * se), corr / se
-    # independent N(0, I_d) rows have E[(x·y)²] = d; two rows of one orthogonal block have x·y = 0 and
-    # of one simplex block (x·y)² = |x|²|y|²/(d − 1)², so this tells a shared block apart
-    dots = np.einsum("ri,ri->r", a[:, 0], b[:, 0]) ** 2
-    assert abs(dots.mean() - d) < 5 * dots.std() / math.sqrt(reps), dots.mean()
+        for g in groups:
+            blk = g[0, :d] @ g[0, :d].T
+            assert np.allclose(blk - np.diag(np.diag(blk)), 0.0, atol=1e-4)
+    pairs = [(groups[0][:, 0], groups[1][:, 0])] + [(a[:, -1], b[:, 0]) for a, b in zip(groups, groups[1:])]
+    for x, y in pairs:
+        corr = np.einsum("ri,rj->ij", x, y) / reps                       # E[x_i y_j] = 0 if independent
+        se = np.sqrt(np.einsum("ri,rj->ij", x ** 2, y ** 2) / reps - corr ** 2) / math.sqrt(reps)
+        assert np.all(np.abs(corr) < 5 * se), corr / se
+        # independent N(0, I_d) rows have E[(x·y)²] = d; two rows of one orthogonal block have x·y = 0 and
+        # of one simplex block (x·y)² = |x|²|y|²/(d − 1)², so this tells a shared block apart
+        dots = np.einsum("ri,ri->r", x, y) ** 2
+        assert abs(dots.mean() - d) < 5 * dots.std() / math.sqrt(reps), dots.mean()
 
 
 @pytest.mark.parametrize("d", [4, 16])

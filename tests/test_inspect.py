@@ -71,7 +71,7 @@ def test_a_directory_without_checkpoints_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", ["favor", "hrf"])
-def test_sign_indefinite_kinds_train_without_nonpositive_denominators(kind, tmp_path):
+def test_sign_indefinite_kinds_train_with_few_nonpositive_denominators(kind, tmp_path):
     """A trig / HRF model trained on the runlocal config with queries and keys on a learned sphere
     (qk_norm="l2"): on its own evaluation inputs few rows' estimated denominators are ≤ 0 (at most a
     fifth in any head, where models without the sphere have a third to two thirds: README, inspect);
