@@ -130,8 +130,9 @@ def projection_groups(key, sizes, dim, coupling="iid", dtype=jnp.float32):
     Gaussian sample: group i takes its own ⌈M_i/d⌉ blocks (blocks are independent, so groups are).
 
     One sample of every block's [2d, d] Gaussian, not a key split per block and per part: each
-    jax.random call is a threefry loop of its own in the program, and the splits made a coupled draw
-    about twice the compiled program (BENCHMARKS design-measurements)."""
+    jax.random call is a threefry loop of its own in the program: with a key per block and per part a
+    coupled draw's program is nearly twice as large (HRF's five times), and every program that draws
+    compiles more slowly (BENCHMARKS design-measurements)."""
     sizes = tuple(sizes)
     _check_sizes(sizes, dim, coupling)
     if coupling == "iid":
