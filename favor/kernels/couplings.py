@@ -150,16 +150,15 @@ def gaussian_projections(key, num_features, dim, coupling="iid", dtype=jnp.float
     return projection_groups(key, (num_features,), dim, coupling, dtype)[0]
 
 
-def draw(key, num_features, dim, coupling="iid", dtype=jnp.float32) -> Projections:
-    """Gaussian projections under a coupling: .omega [M, d], .log_weights [M] (zeros)."""
-    omega = gaussian_projections(key, num_features, dim, coupling, dtype)
-    return Projections(omega=omega, log_weights=jnp.zeros((num_features,), dtype))
-
-
 def draw_groups(key, sizes, dim, coupling="iid", dtype=jnp.float32) -> list[Projections]:
-    """Independent draws of sizes M_1, M_2, … (projection_groups) as Projections."""
+    """Independent draws of sizes M_1, M_2, … (projection_groups) as Projections (log_weights zeros)."""
     return [Projections(omega=w, log_weights=jnp.zeros((w.shape[0],), dtype))
             for w in projection_groups(key, sizes, dim, coupling, dtype)]
+
+
+def draw(key, num_features, dim, coupling="iid", dtype=jnp.float32) -> Projections:
+    """Gaussian projections under a coupling: .omega [M, d], .log_weights [M] (zeros)."""
+    return draw_groups(key, (num_features,), dim, coupling, dtype)[0]
 
 
 # ---- Theorem 3.2 of the SimRF paper: MSE of positive RFs under couplings ------------------------

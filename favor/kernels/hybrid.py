@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.kernels.base import (Mechanism, check_num_features, check_rows, check_sets, log_abs_sign, pytree_dataclass, static)
-from favor.kernels.couplings import Projections, check_coupling, draw_groups
+from favor.kernels.couplings import Projections, draw_groups
 from favor.kernels import stats
 from favor.kernels.sincos import sin_cos_features
 
@@ -122,7 +122,6 @@ class _HybridBase(Mechanism):
 
     def draw_base(self, key, num_features, dim, coupling="iid"):
         m = check_num_features(num_features)
-        check_coupling(coupling)
         pos, trig, lam = draw_groups(key, (m, m, self.n), dim, coupling)
         return HybridDraw(pos=pos, trig=trig, lam=lam)
 
