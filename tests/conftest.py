@@ -83,15 +83,23 @@ def hf_reference(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def docstrings_cache(tmp_path_factory):
-    """The real docstring corpus (favor_docstrings), built once per module into a temporary cache that
-    FAVOR_DATA_DIR points at while the module runs."""
+@pytest.fixture(scope="session")
+def built_docstrings(tmp_path_factory):
+    """A data directory holding the real docstring corpus (favor_docstrings), built once per test process
+    (parsing the standard library is most of a build): copy it, never write into it."""
     from favor.data import local
+    return Path(local.prepare("docstrings", tmp_path_factory.mktemp("favor_docstrings_built")))
+
+
+@pytest.fixture(scope="module")
+def docstrings_cache(tmp_path_factory, built_docstrings):
+    """A fresh temporary cache for the module holding a copy of the docstring corpus, which FAVOR_DATA_DIR
+    points at while the module runs (what the module's runs cache there, tokenizers included, stays
+    the module's own)."""
     path = tmp_path_factory.mktemp("favor_data")
+    shutil.copytree(built_docstrings, path, dirs_exist_ok=True)
     mp = pytest.MonkeyPatch()
     mp.setenv("FAVOR_DATA_DIR", str(path))
-    local.prepare("docstrings")
     yield path
     mp.undo()
 

@@ -2,6 +2,7 @@
 day-0 evaluation, the tokenizer that travels with the model, and the attention-transfer stage."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from flax import nnx
 
 from favor import configlib, data, models, tasks, job, uptrain
 from favor.bench import uptrain as bench_uptrain
-from favor.data import local, tokenizers
+from favor.data import tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -245,10 +246,11 @@ def test_sigkill_during_transfer_resumes_to_the_same_result(softmax_run, tmp_pat
 
 
 @pytest.fixture
-def corpus(tmp_path_factory, monkeypatch):
+def corpus(tmp_path_factory, monkeypatch, built_docstrings):
+    """A fresh data cache with the docstring corpus in it and nothing else (no tokenizer trained yet)."""
     path = tmp_path_factory.mktemp("favor_data")
+    shutil.copytree(built_docstrings, path, dirs_exist_ok=True)
     monkeypatch.setenv("FAVOR_DATA_DIR", str(path))
-    local.prepare("docstrings")
     return path
 
 

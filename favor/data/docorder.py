@@ -74,11 +74,14 @@ class FavorDocstringOrder(tfds.core.GeneratorBasedBuilder):
     def _split_generators(self, dl_manager):
         # sibling modules repeat docstrings (posixpath / ntpath): a validation pair whose two sentences
         # also make a training pair is dropped, so no validation example was seen in training
-        seen = {(a, b) for _, doc in of_split("train") for _, a, b in pairs(doc)}
-        return {"train": self._generate_examples("train"), "validation": self._generate_examples("validation", seen)}
+        train = list(of_split("train"))            # parsed once: read for `seen` and written below
+        seen = {(a, b) for _, doc in train for _, a, b in pairs(doc)}
+        return {"train": self._generate_examples(train),
+                "validation": self._generate_examples(of_split("validation"), seen)}
 
-    def _generate_examples(self, split, seen=frozenset()):
-        for name, doc in of_split(split):
+    def _generate_examples(self, docs, seen=frozenset()):
+        """Both orders of each consecutive pair of sentences of `docs` ((name, docstring) pairs) not in `seen`."""
+        for name, doc in docs:
             for i, first, second in pairs(doc):
                 if (first, second) in seen:
                     continue
