@@ -220,8 +220,7 @@ def _has_step(workdir, minimum):
     return d.is_dir() and any(p.name.isdigit() and int(p.name) >= minimum for p in d.iterdir())
 
 
-LONG_CONFIG = {"total_steps": 240, "checkpoint_every": 40, "eval_every": 1000, "log_every": 40}
-LONG = [f"--config.{key}={value}" for key, value in LONG_CONFIG.items()]
+LONG = ["--config.total_steps=240", "--config.checkpoint_every=40", "--config.eval_every=1000", "--config.log_every=40"]
 
 
 def test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path):
@@ -235,8 +234,8 @@ def test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path):
     rerun = subprocess.run(train_cmd(killed, *LONG), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from step" in rerun.stderr
-    whole = tmp_path / "whole"      # the same config uninterrupted, in this process
-    job.run(tiny(**LONG_CONFIG), whole)
+    whole = tmp_path / "whole"
+    subprocess.run(train_cmd(whole, *LONG), check=True, capture_output=True, timeout=600)
     (sa, pa), (sb, pb) = final_params(killed), final_params(whole)
     assert sa == sb == 240
     assert max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb)) < 1e-6
