@@ -91,13 +91,18 @@ def built_docstrings(tmp_path_factory):
     return Path(local.prepare("docstrings", tmp_path_factory.mktemp("favor_docstrings_built")))
 
 
-@pytest.fixture(scope="module")
-def docstrings_cache(tmp_path_factory, built_docstrings):
-    """A fresh temporary cache for the module holding a copy of the docstring corpus, which FAVOR_DATA_DIR
-    points at while the module runs (what the module's runs cache there, tokenizers included, stays
-    the module's own)."""
+def docstrings_copy(tmp_path_factory, built_docstrings):
+    """A fresh data directory holding a copy of the docstring corpus and nothing else: what runs cache
+    there (tokenizers included) stays the caller's own."""
     path = tmp_path_factory.mktemp("favor_data")
     shutil.copytree(built_docstrings, path, dirs_exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def docstrings_cache(tmp_path_factory, built_docstrings):
+    """A `docstrings_copy` for the module, which FAVOR_DATA_DIR points at while the module runs."""
+    path = docstrings_copy(tmp_path_factory, built_docstrings)
     mp = pytest.MonkeyPatch()
     mp.setenv("FAVOR_DATA_DIR", str(path))
     yield path

@@ -2,7 +2,6 @@
 day-0 evaluation, the tokenizer that travels with the model, and the attention-transfer stage."""
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from configs import bert_glue, bert_pretrain  # noqa: E402
 
 import test_train  # noqa: E402  (its tiny config)
+from conftest import docstrings_copy  # noqa: E402
 
 
 def tiny(kind, **overrides):
@@ -248,8 +248,7 @@ def test_sigkill_during_transfer_resumes_to_the_same_result(softmax_run, tmp_pat
 @pytest.fixture
 def corpus(tmp_path_factory, monkeypatch, built_docstrings):
     """A fresh data cache with the docstring corpus in it and nothing else (no tokenizer trained yet)."""
-    path = tmp_path_factory.mktemp("favor_data")
-    shutil.copytree(built_docstrings, path, dirs_exist_ok=True)
+    path = docstrings_copy(tmp_path_factory, built_docstrings)
     monkeypatch.setenv("FAVOR_DATA_DIR", str(path))
     return path
 
