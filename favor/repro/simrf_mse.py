@@ -51,8 +51,6 @@ def on_axis(v, d):
 def diagonal_mse(coupling, v, d, m):
     """MSE at x = y = (v/2)·e₁ for each v (the diagonal of analytic_mse)."""
     x = on_axis(v, d)
-    if len(x) <= 16:
-        return np.array([analytic_mse(coupling, x[i:i + 1], x[i:i + 1], m)[0, 0] for i in range(len(x))])
     # each point as a batch of its own [1, 1] pair: the whole [n, n] grid would evaluate the coupled
     # series n times over for the n pairs on its diagonal
     return analytic_mse(coupling, x[:, None], x[:, None], m)[:, 0, 0]
