@@ -82,7 +82,7 @@ def _passes(kind, q, k, v, mask, causal, chunk=4, **opts):
     ctx = attn.context(q, k, mask, jax.random.PRNGKey(1), None, mask, None, None, causal)
     x, y = attn.inputs(q, k)
     vv = _to_bhld(v)
-    fl = attn.floor(x, y, vv, mask, causal)
+    fl = attn.floor(x, y, vv, mask, causal, ctx)
     if causal:
         run = lambda f: linear.causal_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk,
                                            "auto", None, f)
@@ -196,3 +196,35 @@ def test_hrf_rows_whose_lambda_is_one_do_not_cancel():
     got = np.einsum("lf,mf->lm", fq[0, 0], fk[0, 0])
     assert np.any(lam == 1.0)
     np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-6 * np.abs(expect).max())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", SIGNED)
+def test_identical_keys_give_the_mean_at_large_norms(kind, causal):
+    """Identical keys, D = 16, ‖q‖ = ‖k‖ = 8, 16, 24 (2–6·√D), a padded key: every output is the mean of
+    the values its query sees (float64, written here) to 1e-4 of the values' size. In exact arithmetic
+    any estimate gives it; in float32 the floored rows' residual Σ_j ŵ_ij (v_j − v̄) is rounding noise
+    over a bound far below the estimate's mass, which reached 3 in these outputs before the residual was
+    shrunk by its rounding bound (floored_ratio)."""
+    b, l, h, d, dv = 1, 32, 2, 16, 3
+    mask = jnp.ones((b, l), bool).at[0, 5].set(False)
+    attn = _layer(kind, chunk=8)
+    run = jax.jit(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal))
+    vmask = np.asarray(mask)[..., None, None]
+    floored = 0
+    for seed, norm in enumerate((8.0, 16.0, 24.0)):
+        ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+        unit = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+        q = unit(jax.random.normal(ks[0], (b, l, h, d))) * norm
+        k = jnp.broadcast_to(unit(jax.random.normal(ks[1], (b, 1, h, d))) * norm, (b, l, h, d))
+        v = 3.0 * jax.random.normal(ks[2], (b, l, h, dv))
+        vv = np.where(vmask, np.asarray(v, np.float64), 0.0)
+        if causal:
+            expect = np.cumsum(vv, 1) / np.cumsum(np.asarray(mask), 1)[..., None, None]
+        else:
+            expect = np.broadcast_to(vv.sum(1, keepdims=True) / np.asarray(mask).sum(), vv.shape)
+        out = np.asarray(run(q, k, v), np.float64)
+        np.testing.assert_allclose(out, expect, atol=1e-4 * np.abs(vv).max(), rtol=0)
+        floored += int(np.asarray(attn.denominator_rows(q, k, mask, causal, attn.context(
+            q, k, mask, None, None, mask, None, None, causal))[1]).sum())
+    assert floored > 0              # the rows the fix is about are among them

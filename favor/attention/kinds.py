@@ -171,7 +171,7 @@ class FeatureAttention(Attention, abc.ABC):
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
         vv = _to_bhld(v)
         x, y = self.inputs(q, k)
-        floor = self.floor(x, y, vv, mask, causal)
+        floor = self.floor(x, y, vv, mask, causal, ctx)
         if causal:
             if self.causal_path == "auto" and not self.finite_features:
                 # features with no exponential in them need no log space (linear.causal_plain) unless
@@ -192,11 +192,15 @@ class FeatureAttention(Attention, abc.ABC):
                                             self.bidirectional_chunk, floor)
         return _to_bhld(out).astype(v.dtype)
 
-    def floor(self, x, y, v, mask, causal):
+    def floor(self, x, y, v, mask, causal, ctx):
         """What a sign-indefinite kind's ratio is floored by (linear.jensen_floor: the bound
-        n_i·exp(x_iᵀȳ_i) over the keys query i sees, x and y the kernel's inputs, and those keys' value
-        statistics); None for positive kinds, whose denominators need no floor."""
-        return None if self.positive else linear.jensen_floor(x, y, v, mask, causal)
+        n_i·exp(x_iᵀȳ_i) over the keys query i sees, x and y the kernel's inputs, those keys' value
+        statistics, and the rows' feature norms for the rounding bound); None for positive kinds, whose
+        denominators need no floor."""
+        if self.positive:
+            return None
+        norms = linear.log_norms(*self.query_map(ctx, x)), linear.log_norms(*self.key_map(ctx, y))
+        return linear.jensen_floor(x, y, v, mask, causal, norms)
 
     # -- incremental decoding ----------------------------------------------------------------------
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
@@ -433,7 +437,7 @@ class RandomFeatureAttention(FeatureAttention):
         x, y = self.scaled(q, k)
         out = window_lib.attend(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, self.positive,
                                 self.window, causal, self.chunk_size, self.causal_path, self.causal_span,
-                                self.floor(x, y, _to_bhld(v), mask, causal))
+                                self.floor(x, y, _to_bhld(v), mask, causal, ctx))
         return _to_bhld(out).astype(v.dtype)
 
     def denominator_rows(self, q, k, mask=None, causal=False, ctx=None):

@@ -115,17 +115,23 @@ def ratio(out, positive, scale=None, floor=None):
 class Floor:
     """What a sign-indefinite kind's ratio needs about the keys each query sees (`jensen_floor`):
     log [B, H, Lq] the log of the bound n_i·exp(x_iᵀȳ_i) on the true denominator, and the mean, minimum
-    and maximum of the values those keys carry, [B, H, Lq | 1, Dv]."""
+    and maximum of the values those keys carry, [B, H, Lq | 1, Dv]; log_mass [B, H, Lq] (or None) the log
+    of ‖φ_q(i)‖·Σ_j ‖φ_k(j)‖ over the keys query i sees, by Cauchy–Schwarz a bound on the absolute mass
+    Σ_j Σ_f |φ_q(i, f)φ_k(j, f)| the estimate sums, and with it on the float32 rounding of that row's
+    sums (`floored_ratio`)."""
     log: jax.Array
     mean: jax.Array
     low: jax.Array
     high: jax.Array
+    log_mass: jax.Array | None = None
 
 
-def jensen_floor(x, y, v, valid=None, causal=False) -> Floor:
+def jensen_floor(x, y, v, valid=None, causal=False, norms=None) -> Floor:
     """The denominator's floor for every query: x [B, H, Lq, D], y [B, H, Lk, D] the kernel's inputs,
     v [B, H, Lk, Dv], valid [B, Lk] or None; causal: queries aligned to the last keys, each seeing the
-    keys up to its own position.
+    keys up to its own position; norms: (log‖φ_q‖ [B, H, Lq], log‖φ_k‖ [B, H, Lk]) (`log_norms`) for
+    the rounding bound's mass (`Floor.log_mass`), or None for a floor without it (diagnostics that only
+    compare denominators with the bound).
 
     By Jensen (exp is convex), Σ_j exp(x_iᵀy_j) ≥ n_i·exp(x_iᵀȳ_i), ȳ_i the mean of the n_i keys query
     i sees: O(L·D), causal through prefix sums, and never looser than the norm bound
@@ -145,7 +151,30 @@ def jensen_floor(x, y, v, valid=None, causal=False) -> Floor:
         low, high = jnp.min(v_lo, axis=2, keepdims=True), jnp.max(v_hi, axis=2, keepdims=True)
     n = jnp.maximum(count, 1.0)                                                # [B, 1, Lq | 1, 1]
     log = jnp.log(n[..., 0]) + jnp.einsum("bhld,bhld->bhl", x, jnp.broadcast_to(ysum, x.shape)) / n[..., 0]
-    return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high)
+    mass = None
+    if norms is not None:
+        nq, nk = (sg(a.astype(F32)) for a in norms)
+        if valid is not None:
+            nk = jnp.where(jnp.asarray(valid, bool)[:, None, :], nk, NEG_INF)
+        nk = rows(jax.lax.cumlogsumexp(nk, axis=2)) if causal else jax.nn.logsumexp(nk, axis=2, keepdims=True)
+        mass = jnp.where(count[..., 0] > 0, nq + nk, NEG_INF)
+    return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high,
+                 log_mass=mass)
+
+
+# twice float32's unit roundoff: the residual below is two float32 sums (the numerator and the
+# denominator times the mean), each off by about the unit roundoff times the absolute mass it sums
+RESIDUAL_ROUNDING = 2.0 ** -23
+
+
+def log_norms(l, s):
+    """log‖φ‖ per row [.., L] of features in log space (l, s as the passes take them: log|φ| and sign or
+    None, or a per-row log-scale and bounded values)."""
+    l = l.astype(F32)
+    if s is None:
+        return 0.5 * jax.nn.logsumexp(2.0 * l, axis=-1)
+    s = s.astype(F32)
+    return 0.5 * jax.nn.logsumexp(jnp.broadcast_to(2.0 * l, s.shape), axis=-1, b=s * s)
 
 
 def floored_ratio(out, positive, scale, floor):
@@ -162,13 +191,28 @@ def floored_ratio(out, positive, scale, floor):
     the estimate is biased there (it only ever moves towards the truth's side of the bound). Rows whose
     estimate is at or above the bound are bit-for-bit the plain ratio. A bound below MIN_BOUND on the
     row's scale counts as MIN_BOUND (such a row's estimate is noise e^40 times the size of its bound:
-    its output sits at the range's edge, finite, with finite gradients)."""
+    its output sits at the range's edge, finite, with finite gradients).
+
+    The residual r_i = Σ_j ŵ_ij (v_j − v̄_i) is formed in float32 as num − den·v̄ from sums whose terms
+    cancel: its rounding is up to u_i = RESIDUAL_ROUNDING·M_i·(max|v| + |v̄_i|), M_i the absolute mass
+    the row sums (`Floor.log_mass` bounds it), and dividing by a bound far below that mass magnifies it
+    (identical keys at ‖x‖, ‖y‖ ≈ 2·√D: r is 0 in exact arithmetic, its rounding over b_i reached 3 in
+    the outputs). So r is shrunk towards 0 by u_i (soft thresholding, per value coordinate): the part of
+    the residual float32 can resolve is kept, the part it cannot is the uniform weights' (0), and
+    identical keys give the mean of their values at any norm."""
     num, den = out[..., :-1], out[..., -1]
     low, bound = _below(out, scale, floor)
-    raised = jnp.where(low, jnp.maximum(bound, MIN_BOUND), den)
-    num = jnp.where(low[..., None], num + (raised - den)[..., None] * floor.mean, num)
-    y = _divide(num, guard(raised, positive))
-    return jnp.where(low[..., None], jnp.clip(y, floor.low, floor.high), y)
+    raised = jnp.where(low, jnp.maximum(bound, MIN_BOUND), 1.0)
+    residual = num - den[..., None] * floor.mean
+    if floor.log_mass is not None:
+        # on the row's scale; double where as in _bound (a row without a bound is not low and reads 0)
+        ok = jnp.isfinite(floor.log_mass) & jnp.isfinite(scale)
+        gap = jnp.where(ok, floor.log_mass - jnp.where(ok, scale, 0.0), 0.0)
+        vmax = jnp.maximum(jnp.abs(floor.low), jnp.abs(floor.high)) + jnp.abs(floor.mean)
+        u = sg(RESIDUAL_ROUNDING * jnp.exp(jnp.minimum(gap, 80.0))[..., None] * vmax)
+        residual = jnp.sign(residual) * jnp.maximum(jnp.abs(residual) - u, 0.0)
+    floored = jnp.clip(floor.mean + _divide(residual, raised), floor.low, floor.high)
+    return jnp.where(low[..., None], floored, _divide(num, guard(den, positive)))
 
 
 def below_floor(out, scale, floor):
@@ -291,8 +335,9 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
     width = f if sk0 is None else sk0.shape[-1]
     init = (jnp.full((b, h, 1, f), NEG_INF, F32), jnp.zeros((b, h, v1s.shape[-1], width), F32))
     def query_chunk(tau, total, x_c, floor_c=None):
-        # floor_c: this chunk's rows of the floor's log (its value statistics are the same for every row)
-        floor_c = None if floor_c is None else dataclasses.replace(floor, log=floor_c)
+        # floor_c: this chunk's rows of the floor's per-query fields, (log, log_mass); its value
+        # statistics are the same for every row
+        floor_c = None if floor_c is None else dataclasses.replace(floor, log=floor_c[0], log_mass=floor_c[1])
         lq, sq = query_map(ctx, x_c)
         lqt = jnp.where(jnp.isfinite(tau), lq.astype(F32) + finite_or(tau), NEG_INF)   # on the key scale
         # the key-aware query stabiliser, floored inside the reduction (a row with no finite term, which
@@ -310,13 +355,14 @@ def bidirectional_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=Tr
         # (maps too cheap for chunks to pay: BENCHMARKS), and for every kind whose keys and queries fit in
         # one chunk, where a scan of one step and a map of one chunk only add the checkpoint's recompute
         (tau, total), _ = key_step(init, jax.tree.map(lambda a: a[0], (ys, v1s, valids)))   # None stays None
-        return query_chunk(tau, total, x, None if floor is None else floor.log)
+        return query_chunk(tau, total, x, None if floor is None else (floor.log, floor.log_mass))
     # under jax.checkpoint the backward pass makes each chunk's features again, in cache, instead of
     # storing them all (faster at long L than storing them, and than the whole-array form: BENCHMARKS.md,
     # design-measurements)
     (tau, total), _ = jax.lax.scan(jax.checkpoint(key_step), init, (ys, v1s, valids))
     cq = min(chunk_size, seq_length(x))
-    floors = None if floor is None else _in_chunks(floor.log[..., None], cq)[..., 0]
+    rows = lambda a: None if a is None else _in_chunks(jnp.broadcast_to(a, floor.log.shape)[..., None], cq)[..., 0]
+    floors = None if floor is None else (rows(floor.log), rows(floor.log_mass))
     out = jax.lax.map(jax.checkpoint(lambda xf: query_chunk(tau, total, *xf)),
                       (_in_chunks(x, cq), floors))                                        # [N, B, H, C, Dv]
     n, b, h, _, dv = out.shape
@@ -700,16 +746,17 @@ def decode_init(batch, heads, features, dv, dim=None):
         big = jnp.finfo(F32).max
         state.update(ysum=jnp.zeros((batch, heads, dim), F32), vsum=jnp.zeros((batch, heads, dv), F32),
                      count=jnp.zeros((batch, 1), F32), vmin=jnp.full((batch, heads, dv), big, F32),
-                     vmax=jnp.full((batch, heads, dv), -big, F32))
+                     vmax=jnp.full((batch, heads, dv), -big, F32), knorm=jnp.full((batch, heads), NEG_INF, F32))
     return state
 
 
-FLOOR_STATE = ("ysum", "vsum", "count", "vmin", "vmax")
+FLOOR_STATE = ("ysum", "vsum", "count", "vmin", "vmax", "knorm")
 
 
-def decode_floor(state, x, y, v, valid=None):
+def decode_floor(state, x, y, v, valid=None, norms=None):
     """(the floor's part of the state with key input y [B, H, D] and value v [B, H, Dv] counted, the
-    `Floor` of query x [B, H, D]) for a state that keeps it (`decode_init(..., dim)`); ({}, None) else."""
+    `Floor` of query x [B, H, D]) for a state that keeps it (`decode_init(..., dim)`); ({}, None) else.
+    norms: (log‖φ_q‖, log‖φ_k‖) [B, H] of this token's query and key (`log_norms`), for the floor's mass."""
     if "ysum" not in state:
         return {}, None
     w = jnp.ones((y.shape[0], 1), F32) if valid is None else jnp.asarray(valid, F32)[:, None]
@@ -720,8 +767,13 @@ def decode_floor(state, x, y, v, valid=None):
            "vmax": jnp.where(real, jnp.maximum(state["vmax"], v), state["vmax"])}
     n = jnp.maximum(new["count"], 1.0)
     log = jnp.log(n) + jnp.einsum("bhd,bhd->bh", x.astype(F32), new["ysum"]) / n
+    mass = None
+    if norms is not None:
+        nq, nk = (sg(a.astype(F32)) for a in norms)
+        new["knorm"] = jnp.logaddexp(state["knorm"], jnp.where(w > 0, nk, NEG_INF))
+        mass = jnp.where(new["count"] > 0, nq + new["knorm"], NEG_INF)
     return new, Floor(log=jnp.where(new["count"] > 0, log, NEG_INF), mean=new["vsum"] / n[..., None],
-                      low=new["vmin"], high=new["vmax"])
+                      low=new["vmin"], high=new["vmax"], log_mass=mass)
 
 
 def decode_absorb(state, lk, sk, v):
@@ -766,7 +818,8 @@ def decode_prefill(lk, sk, v, valid=None, dim=None, y=None):
         state.update(ysum=jnp.einsum("bl,bhld->bhd", w, y.astype(F32)), vsum=jnp.einsum("bl,bhld->bhd", w, v),
                      count=jnp.sum(w, axis=1, keepdims=True),
                      vmin=jnp.min(jnp.where(real, v, big), axis=2, initial=big),
-                     vmax=jnp.max(jnp.where(real, v, -big), axis=2, initial=-big))
+                     vmax=jnp.max(jnp.where(real, v, -big), axis=2, initial=-big),
+                     knorm=sg(jax.nn.logsumexp(jnp.where(real[..., 0], log_norms(lk, sk), NEG_INF), axis=2)))
     return state
 
 
@@ -777,7 +830,7 @@ def decode_step(state, lq, sq, lk, sk, v, valid=None, positive=True, x=None, y=N
     lq, lk = lq.astype(F32), lk.astype(F32)
     if valid is not None:
         lk = jnp.where(jnp.asarray(valid, bool)[:, None, None], lk, NEG_INF)
-    sums, floor = decode_floor(state, x, y, v, valid)
+    sums, floor = decode_floor(state, x, y, v, valid, (log_norms(lq, sq), log_norms(lk, sk)))
     state = {**decode_absorb(state, lk, sk, v), **sums}
     out, scale = decode_read(state, lq, sq)
     return ratio(out, positive, scale, floor), state
