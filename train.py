@@ -16,7 +16,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from favor import configlib, runtime
+from favor import configlib, extras, runtime
 
 FLAGS = flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard logs and summary.json")
 MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first (TPU pods and SLURM "
@@ -42,7 +42,7 @@ def parse_flags(argv):
         fail(_bad_value(argv, str(e)))
     except (AttributeError, KeyError) as e:       # ml_collections: a key the locked config does not have
         fail(_unknown_key(argv) or str(e))
-    except (flags.Error, OSError) as e:
+    except (flags.Error, OSError, extras.MissingExtra) as e:   # MissingExtra: a config importing its pipeline
         fail(str(e))
 
 
@@ -125,10 +125,13 @@ def main(argv):
     config = CONFIG.value
     try:
         configlib.validate(config)        # job.run checks again; here the error is one line, not a traceback
-    except configlib.ConfigError as e:
+    except (configlib.ConfigError, extras.MissingExtra) as e:
         fail(str(e))
     from favor import job
-    summary = job.run(config, FLAGS.value)
+    try:
+        summary = job.run(config, FLAGS.value)
+    except extras.MissingExtra as e:      # a pipeline whose optional packages are not installed
+        fail(str(e))
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
     fixed = {"step", "train_loss", "steps_per_second", "attention", "checkpoint_dir", "tensorboard_dir", "preempted",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from favor import extras
 from favor.bench import attention, generate, parts, peers, ratios, steps, train, uptrain
 
 SUBCOMMANDS = {"attention": attention, "ratios": ratios, "parts": parts, "train": train, "steps": steps,
@@ -27,4 +28,7 @@ def main(argv=None):
     for module in SUBCOMMANDS.values():
         module.add_parser(sub)
     args = parser.parse_args(argv_main)
-    return SUBCOMMANDS[args.what].main(args, flags, argv, parser)
+    try:
+        return SUBCOMMANDS[args.what].main(args, flags, argv, parser)
+    except extras.MissingExtra as e:      # a config whose data pipeline needs an optional package
+        parser.exit(2, f"error: {e}\n")

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import re
 
-import tensorflow_datasets as tfds
-
+from favor import extras
 from favor.data.docstrings import of_split
+
+tfds = extras.tfds("the sentence-order corpus (a TFDS builder)")
 
 MIN_WORDS, MAX_WORDS = 3, 60
 # a sentence ends at . ! ? before a space and a capital, but not after the abbreviations docstrings use

@@ -14,7 +14,9 @@ import hashlib
 import sysconfig
 from pathlib import Path
 
-import tensorflow_datasets as tfds
+from favor import extras
+
+tfds = extras.tfds("the docstring corpus (a TFDS builder)")
 
 MIN_CHARS = 40
 

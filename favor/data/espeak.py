@@ -43,7 +43,10 @@ import wave
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import tensorflow_datasets as tfds
+
+from favor import extras
+
+tfds = extras.tfds("the espeak speech corpus (a TFDS builder)")
 
 log = logging.getLogger(__name__)
 

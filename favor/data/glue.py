@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from favor import extras
 from favor.data import local, tokenizers
 from favor.data.source import ArraySource, check_data_dir, open_tfds, records, text
 
@@ -30,7 +31,7 @@ NUM_LABELS = {"mnli": 3, "stsb": 1}
 
 def load_split(name: str, split: str, data_dir):
     """A prepared TFDS split as a dict of numpy arrays; a missing dataset says how to prepare it."""
-    import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
+    tfds = extras.tfds(f"the TFDS dataset {name!r}")    # TensorFlow loads only when data is read
     check_data_dir(name, data_dir)
     try:
         builder = tfds.builder(name, data_dir=data_dir)

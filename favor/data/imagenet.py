@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from favor import extras
 from favor.data import augment
 from favor.data.source import IndexedSource, open_tfds
 
@@ -40,7 +41,7 @@ def default_data_dir() -> str:
 def manual_download_help(name: str, data_dir) -> str:
     """For builders that need a manual download (imagenet2012): where the files go and the command that
     prepares them; "" for builders that download themselves."""
-    import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
+    tfds = extras.tfds(f"the TFDS dataset {name!r}")    # TensorFlow loads only when data is read
     base = name.split("/")[0].split(":")[0]          # "imagenet2012:5.1.0", "imagenet2012_subset/1pct"
     try:
         instructions = tfds.builder_cls(base).MANUAL_DOWNLOAD_INSTRUCTIONS

@@ -25,10 +25,12 @@ import dataclasses
 import random
 
 import numpy as np
-import tensorflow_datasets as tfds
 
+from favor import extras
 from favor.data import local
 from favor.data.source import IndexedSource, open_tfds, records, text
+
+tfds = extras.tfds("the ListOps corpus (a TFDS builder)")
 
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
 END = "]"

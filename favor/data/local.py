@@ -21,6 +21,8 @@ import importlib
 import os
 from pathlib import Path
 
+from favor import extras
+
 CORPORA = {
     "docstrings": ("favor.data.docstrings", "favor_docstrings"),
     "speech": ("favor.data.espeak", "favor_speech"),
@@ -44,7 +46,7 @@ def builder_name(corpus: str) -> str:
 def prepare(corpus: str, data_dir=None, config: str | None = None) -> str:
     """Build the corpus (a named builder config of it, e.g. the speech corpus's "tiny") into data_dir
     (default: the cache) unless it is there; returns the data_dir."""
-    import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
+    tfds = extras.tfds(f"the local corpus {corpus!r} (a TFDS builder)")    # loads TFDS only when data is read
     name = builder_name(corpus)
     data_dir = str(Path(data_dir).expanduser() if data_dir else cache_dir())
     try:

@@ -30,6 +30,8 @@ from typing import Iterator
 import jax
 import numpy as np
 
+from favor import extras
+
 
 class IndexedSource(abc.ABC):
     OPTIONS: dict = {}
@@ -127,7 +129,7 @@ class ArraySource(IndexedSource):
 def open_tfds(name: str, split: str, data_dir=None):
     """A prepared TFDS split with random access (`builder.as_data_source`); a dataset that is not
     prepared, or prepared without the array_record format, is an error that says what to do."""
-    import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
+    tfds = extras.tfds(f"the TFDS dataset {name!r}")    # TensorFlow loads only when data is read
     where = data_dir or "~/tensorflow_datasets"
     check_data_dir(name, data_dir, "--file_format=array_record")
     try:

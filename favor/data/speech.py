@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from favor import extras
 from favor.data import audio, local, tokenizers
 from favor.data.source import IndexedSource, open_tfds
 
@@ -127,7 +128,7 @@ class Speech(IndexedSource):
         path = root / "favor_tokenizers" / f"{slug}-n{n}-v{self.vocab_size}.model"
         if path.exists():
             return path
-        import tensorflow_datasets as tfds    # TensorFlow loads only when data is read
+        tfds = extras.tfds(f"the TFDS dataset {name!r}")    # TensorFlow loads only when data is read
         # the transcripts only: the audio is left encoded (LibriSpeech's FLAC is never decoded here)
         texts_source = tfds.builder(name, data_dir=data_dir).as_data_source(
             split=self.train_split, decoders={"speech": tfds.decode.SkipDecoding()})
