@@ -199,7 +199,7 @@ class FeatureAttention(Attention, abc.ABC):
         denominators need no floor."""
         if self.positive:
             return None
-        norms = linear.log_norms(*self.query_map(ctx, x)), linear.log_norms(*self.key_map(ctx, y))
+        norms = linear.log_norm_bounds(*self.query_map(ctx, x)), linear.log_norm_bounds(*self.key_map(ctx, y))
         return linear.jensen_floor(x, y, v, mask, causal, norms)
 
     # -- incremental decoding ----------------------------------------------------------------------

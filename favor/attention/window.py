@@ -213,7 +213,7 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
     lin = linear.decode_absorb({"tau": state["tau"], "sum": state["sum"]}, old_lk,
                                state["sk"][:, :, 0] if "sk" in state else None, state["v"][:, :, 0])
     push = lambda buf, new: jnp.concatenate([buf[:, :, 1:], new[:, :, None]], axis=2)
-    norms = (linear.log_norms(lq, sq), linear.log_norms(lk, sk))
+    norms = (linear.log_norm_bounds(lq, sq), linear.log_norm_bounds(lk, sk))
     sums, floor = linear.decode_floor(state, x, y, v, valid, norms)
     new = {**lin, **sums, "y": push(state["y"], y), "lk": push(state["lk"], lk), "v": push(state["v"], v),
            "key": push(state["key"], key)}
