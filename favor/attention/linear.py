@@ -278,7 +278,12 @@ BIDIRECTIONAL_CHUNK = 512
 # holds at most this many elements (8 MiB of float32), chunks of BIDIRECTIONAL_CHUNK above: twice this
 # size, whole arrays measured slower, at this size and below faster
 WHOLE_ARRAY_ELEMENTS = 2 ** 21
-CAUSAL_CHUNK = 128        # with spans of 512 (below), chunks of 32/64/128 measured alike at L = 8192 (favor+)
+# tokens per chunk of the causal pass: its [C, C] in-chunk products cost C·(F + Dv + 1) per query against
+# the bidirectional pass's 2·F·(Dv + 1), so smaller chunks do less work, until XLA:CPU's batched matmuls
+# of that size run too slowly: with spans of 512 (below), C = 64 measured fastest at L = 8192 (favor+,
+# forward 1.63× bidirectional against 1.79× at C = 128 and 1.81× at C = 32 with spans of 256;
+# BENCHMARKS.md causal-ratios)
+CAUSAL_CHUNK = 64
 
 
 @jit_when_eager("query_map", "key_map", "positive", "chunk_size")

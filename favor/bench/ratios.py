@@ -26,7 +26,13 @@ TARGETS = (("favor/bidir", "favor+/bidir", 2.5), ("hrf/bidir", "favor+/bidir", 2
 # forward+backward, bidirectional; trig and HRF): the targets of `--targets kinds`
 KIND_TARGETS = tuple((f"{k}/bidir{g}", f"favor+/bidir{g}", t) for g in ("", "+grad")
                      for k, t in (("favor++", 1.15), ("favor#", 1.4), ("favor", 1.5), ("hrf", 1.5)))
-TARGET_SETS = {"long": TARGETS, "kinds": KIND_TARGETS}
+# Causal as cheap as bidirectional: every linear kind's causal pass against its bidirectional one,
+# forward and forward+backward, and the ±64 window hybrid against plain causal: the targets of
+# `--targets causal`
+CAUSAL_KINDS = ("favor+", "simrf", "favor++", "favor#", "favor", "hrf", "relu", "elu")
+CAUSAL_TARGETS = (*((f"{k}/causal{g}", f"{k}/bidir{g}", 1.3) for g in ("", "+grad") for k in CAUSAL_KINDS),
+                  *((f"{k}@64/causal{g}", f"{k}/causal{g}", 1.25) for g in ("", "+grad") for k in ("favor+", "favor#")))
+TARGET_SETS = {"long": TARGETS, "kinds": KIND_TARGETS, "causal": CAUSAL_TARGETS}
 
 
 def _entry(text):
@@ -119,8 +125,9 @@ def add_parser(sub):
     r.add_argument("--rounds", type=int, default=15)
     r.add_argument("--targets", default="long",
                    help="a named set (long: the long-sequence speed targets; kinds: the kinds' costs at one "
-                        "width) or NUMERATOR,DENOMINATOR,TARGET;... with entries kind/bidir, kind/causal, "
-                        "either +grad (forward and backward), or matmul:kind/mode (default: %(default)s)")
+                        "width; causal: causal against bidirectional for every kind) or "
+                        "NUMERATOR,DENOMINATOR,TARGET;... with entries kind/bidir, kind/causal, either +grad "
+                        "(forward and backward), or matmul:kind/mode (default: %(default)s)")
     r.add_argument("--out", default=".")
     r.add_argument("--section", default="attention-ratios")
 
