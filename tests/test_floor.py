@@ -228,3 +228,14 @@ def test_identical_keys_give_the_mean_at_large_norms(kind, causal):
         floored += int(np.asarray(attn.denominator_rows(q, k, mask, causal, attn.context(
             q, k, mask, None, None, mask, None, None, causal))[1]).sum())
     assert floored > 0              # the rows the fix is about are among them
+
+
+def test_a_floored_row_whose_plain_ratio_overflows_has_finite_gradients():
+    """A floored row with a denominator far below its numerator (num/den beyond float32's range): the
+    discarded plain ratio must not turn the row's cotangent into NaN."""
+    out = jnp.asarray([[100.0, 1e-37]])
+    fl = linear.Floor(log=jnp.asarray([0.0]), mean=jnp.asarray([[0.5]]), low=jnp.asarray([[0.0]]),
+                      high=jnp.asarray([[1.0]]), log_mass=jnp.asarray([3.0]))
+    scale = jnp.asarray([0.0])
+    grad = jax.grad(lambda o: jnp.sum(linear.floored_ratio(o, False, scale, fl) ** 2))(out)
+    assert np.all(np.isfinite(np.asarray(grad))), grad

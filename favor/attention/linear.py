@@ -212,7 +212,10 @@ def floored_ratio(out, positive, scale, floor):
         u = sg(RESIDUAL_ROUNDING * jnp.exp(jnp.minimum(gap, 80.0))[..., None] * vmax)
         residual = jnp.sign(residual) * jnp.maximum(jnp.abs(residual) - u, 0.0)
     floored = jnp.clip(floor.mean + _divide(residual, raised), floor.low, floor.high)
-    return jnp.where(low[..., None], floored, _divide(num, guard(den, positive)))
+    # the plain ratio with a floored row's denominator read as 1: that branch is discarded there, and
+    # num/den of a denominator far below the numerator would overflow it, turning the row's zero
+    # cotangent into NaN
+    return jnp.where(low[..., None], floored, _divide(num, guard(jnp.where(low, 1.0, den), positive)))
 
 
 def below_floor(out, scale, floor):
