@@ -897,3 +897,45 @@ def test_causal_padding_rows_carry_no_scale(path):
     w = np.einsum("bhif,bhjf->bhij", np.exp(lq), np.exp(lk + 300.0)) * np.tril(np.ones((l, l)))
     want = np.einsum("bhij,bhjd->bhid", w, v) / w.sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 65, 200])
+def test_cumulative_is_the_running_reduction_and_reads_no_future(length):
+    """linear.cumulative (the prefix reductions of the causal passes and the causal floor) against numpy's
+    running sum (float64), maximum, minimum and log-sum-exp, along the sequence axis of [B, H, L, X]; and
+    with every later element replaced, the earlier results are unchanged bit for bit."""
+    rng = np.random.default_rng(length)
+    a = rng.normal(size=(2, 3, length, 4)).astype(np.float32) * 5
+    cases = ((jnp.add, 0.0, np.cumsum(a.astype(np.float64), axis=2), 1e-5),
+             (jnp.maximum, -np.inf, np.maximum.accumulate(a, axis=2), 0.0),
+             (jnp.minimum, np.inf, np.minimum.accumulate(a, axis=2), 0.0),
+             (jnp.logaddexp, -np.inf, np.logaddexp.accumulate(a.astype(np.float64), axis=2), 1e-6))
+    run = jax.jit(linear.cumulative, static_argnums=(1, 2))
+    for op, fill, expect, tol in cases:
+        got = np.asarray(run(jnp.asarray(a), op, fill))
+        np.testing.assert_allclose(got, expect, rtol=tol, atol=tol * np.abs(a).sum(2, keepdims=True).max())
+        cut = length // 2
+        b = a.copy()
+        b[:, :, cut:] = rng.normal(size=b[:, :, cut:].shape) * 1e6
+        np.testing.assert_array_equal(np.asarray(run(jnp.asarray(b), op, fill))[:, :, :cut], got[:, :, :cut])
+    flags = rng.random((2, 1, length)) < 0.1
+    np.testing.assert_array_equal(np.asarray(linear.cumulative(jnp.asarray(flags), jnp.logical_or, False)),
+                                  np.logical_or.accumulate(flags, axis=2))
+
+
+@pytest.mark.parametrize("length", [1, 7, 64, 65, 200])
+def test_cumulative_sum_is_the_running_sum_and_reads_no_future(length):
+    """linear.cumulative_sum against numpy's float64 running sum along axis 2 and along the last axis, and
+    earlier results unchanged bit for bit when every later element is replaced."""
+    rng = np.random.default_rng(length)
+    a = rng.normal(size=(2, 3, length, 4)).astype(np.float32)
+    for axis in (2, -1):
+        x = a if axis == 2 else np.swapaxes(a, 2, 3)
+        got = np.asarray(jax.jit(linear.cumulative_sum, static_argnums=1)(jnp.asarray(x), axis))
+        np.testing.assert_allclose(got, np.cumsum(x.astype(np.float64), axis=axis), rtol=1e-5,
+                                   atol=1e-5 * np.sqrt(length))
+    b = a.copy()
+    b[:, :, length // 2:] *= 1e6
+    cut = length // 2
+    same = lambda z: np.asarray(linear.cumulative_sum(jnp.asarray(z)))[:, :, :cut]
+    np.testing.assert_array_equal(same(b), same(a))

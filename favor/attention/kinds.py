@@ -91,7 +91,7 @@ class Softmax(Attention):
         if mask is not None:   # a query with no valid key attends to nothing: 0, not NaN
             seen = jnp.asarray(mask, bool)
             if causal:
-                seen = jnp.cumsum(seen, axis=1)[:, k.shape[1] - q.shape[1]:] > 0
+                seen = linear.cumulative(seen, jnp.logical_or, False, axis=1)[:, k.shape[1] - q.shape[1]:]
                 out = jnp.where(seen[:, :, None, None], out, 0.0)
             else:
                 out = jnp.where(jnp.any(seen, -1)[:, None, None, None], out, 0.0)
