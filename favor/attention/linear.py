@@ -356,8 +356,8 @@ WHOLE_ARRAY_ELEMENTS = 2 ** 21
 # tokens per chunk of the causal pass: its [C, C] in-chunk products cost C·(F + Dv + 1) per query against
 # the bidirectional pass's 2·F·(Dv + 1), so smaller chunks do less work, until XLA:CPU's batched matmuls
 # of that size run too slowly: with spans of 512 (below), C = 64 measured fastest at L = 8192 (favor+,
-# forward 1.63× bidirectional against 1.79× at C = 128 and 1.81× at C = 32 with spans of 256;
-# BENCHMARKS.md causal-ratios)
+# round-robin: forward 1.63× bidirectional against 1.79× at C = 128 and 1.81× at C = 32 with spans of
+# 256; forward and backward 1.84× against 2.02×)
 CAUSAL_CHUNK = 64
 
 
