@@ -31,7 +31,7 @@ def require(module: str, purpose: str):
         missing = getattr(e, "name", None)
         if missing is None or missing.split(".")[0] not in EXTRAS:
             raise
-        raise MissingExtra(f"{purpose} needs {module}, which is not installed (no module {missing!r}); "
+        raise MissingExtra(f"{purpose} needs {module}, which cannot be imported (no module {missing!r}); "
                            f"install favor's {extra!r} extra: pip install 'favor[{extra}]'") from None
 
 
