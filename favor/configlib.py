@@ -124,13 +124,14 @@ def attention(kind: str, num_features: int, redraw: str = "", **options) -> dict
     """The `config.model.attention` block. It carries the random-feature options (so that
     `--config.model.attention.kind=softmax` is a plain override; options a kind does not take are dropped
     by `favor.attention.block_options`), the layer's query/key normalisation (favor.attention.qknorm, every
-    kind), and `coupling=""`, `redraw=""` and the kind specs' options (`variant`, `lambda_`, `features`) at "",
+    kind), and `coupling=""`, `redraw=""`, `impl=""` (auto: favor.attention.IMPLS) and the kind specs' options (`variant`, `lambda_`, `features`) at "",
     which mean the kind's own (coupling: orthogonal, or simplex for simrf; redraw:
     `favor.attention.block_redraw`; variant: FAVOR#'s SDERF): a locked config refuses to override a key it
     lacks, so the keys must exist (a sweep sets `--config.model.attention.variant=saderf` on its FAVOR#
     runs), but a value here would override every kind's own (an "orthogonal" here would make simrf run
     FAVOR+)."""
     return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, "window": 0,
+            "impl": "",
             **{k: "" for k in attention_lib.SPEC_OPTIONS}, **qknorm.OPTIONS, **options}
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from favor import kernels
-from favor.attention import linear, schedule, window as window_lib
+from favor.attention import fused, linear, schedule, window as window_lib
 from favor.kernels.base import pytree_dataclass
 
 def check_qkv(q, k, v, mask, query_mask=None):
@@ -68,13 +68,31 @@ class Attention:
 
 
 class Softmax(Attention):
-    """Exact softmax attention, the baseline (jax.nn.dot_product_attention)."""
+    """Exact softmax attention, the baseline (jax.nn.dot_product_attention). impl: "xla", "cudnn"
+    (cuDNN's fused flash attention, GPU only) or "auto": cuDNN on a GPU where it applies (bf16/fp16, equal
+    head dims of 64 or 128, no padding mask, Lq = Lk when causal), XLA otherwise."""
 
     name = "softmax"
+    OPTIONS = {"impl": "auto"}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.impl = _choice(self.name, "impl", options.get("impl", "auto"), SOFTMAX_IMPLS)
+
+    def _cudnn(self, q, k, v, mask, causal):
+        fits = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and mask is None
+                and q.shape[-1] == v.shape[-1] and q.shape[-1] in (64, 128)
+                and not (causal and q.shape[1] != k.shape[1]))
+        if self.impl == "cudnn" and not fits:
+            raise ValueError("softmax: impl='cudnn' needs a GPU, bf16 or fp16 inputs, equal head dims of 64 or "
+                             "128, no padding mask and Lq = Lk when causal; impl='auto' falls back to XLA")
+        return self.impl != "xla" and fits
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None):
         check_qkv(q, k, v, mask, query_mask)
+        if self._cudnn(q, k, v, mask, causal):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
         m = None if mask is None else jnp.asarray(mask, bool)[:, None, None, :]
         if causal:
             check_causal_lengths(q, k)
@@ -283,6 +301,15 @@ class EluAttention(ElementwiseAttention):
     phi = staticmethod(lambda u: jax.nn.elu(u) + 1.0)
 
 
+F32 = jnp.float32
+# How a random-feature kind runs: "xla" (favor.attention.linear), "pallas" (favor.attention.fused), or
+# "auto": the fused kernel on the backends listed here, where it was measured faster than XLA
+# (BENCHMARKS.md), XLA elsewhere and for the kinds and options the kernel does not cover.
+IMPLS = ("auto", "xla", "pallas")
+SOFTMAX_IMPLS = ("auto", "xla", "cudnn")
+AUTO_BACKENDS = ()
+
+
 @pytree_dataclass
 class RandomFeatureContext:
     """What one call of random-feature attention fixes: fitted parameters and the draw."""
@@ -305,11 +332,14 @@ class RandomFeatureAttention(FeatureAttention):
     `num_features` is the width F of the feature arrays for every kind (one cost): FAVOR+, FAVOR++,
     FAVOR#, SimRF draw F projections; trig F/2 frequencies (sin and cos); antithetic FAVOR+ F/2 pairs;
     HRF the largest m whose hybrid features fit in F (`draws_for_width`; `num_draws` holds it).
+
+    `impl`: "xla" (favor.attention.linear), "pallas" (the fused kernel, favor.attention.fused: the positive
+    exponential kinds, no window) or "auto" (the kernel on AUTO_BACKENDS, XLA elsewhere).
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
                "fit_gradients": False, "chunk_size": None, "causal_path": "auto", "causal_span": None,
-               "stats_momentum": 0.99, "window": 0}
+               "stats_momentum": 0.99, "window": 0, "impl": "auto"}
     mechanism = ""
     mechanism_options: dict[str, Any] = {}
 
@@ -333,6 +363,10 @@ class RandomFeatureAttention(FeatureAttention):
         # [L, F] passes and the state cost); the mechanism's own count is derived from it
         self.num_draws = self.mech.draws_for_width(self.num_features)
         self._fixed_draws = {}                      # head dim -> the seed's base draw (`fixed_draw`)
+        self.impl = _choice(self.name, "impl", options.get("impl", "auto"), IMPLS)
+        if self.impl == "pallas" and self.fused_unavailable():
+            raise ValueError(f"{self.name}: impl='pallas' {self.fused_unavailable()}; "
+                             "impl='auto' or 'xla' runs it on XLA")
 
     def feature_dim(self, dim):
         return self.mech.feature_dim(self.num_draws)
@@ -428,8 +462,53 @@ class RandomFeatureAttention(FeatureAttention):
             return self.mech.draw(self.draw_key(rng, step), self.num_draws, params, self.coupling)
         return self.mech.adapt_draw(draw, params)
 
+    # -- the fused kernel ---------------------------------------------------------------------------
+    def fused_unavailable(self):
+        """Why the fused kernel (favor.attention.fused) cannot run this kind and options; None if it can."""
+        if not isinstance(self.mech, kernels.exponential.ExponentialMechanism):
+            return ("covers the positive exponential kinds (favor+, favor++, favor#, simrf), not "
+                    f"{self.name}'s {self.mech.name} features")
+        if self.window:
+            return "has no window band (window=0 only)"
+        if self.fit_gradients:
+            return "gives the fitted parameters no gradient (fit_gradients=False only)"
+        if self.causal_path != "auto":
+            return "has one causal path of its own (causal_path='auto' only)"
+        return None
+
+    def uses_fused(self, causal, q, k):
+        """Whether a call runs the fused kernel: impl='pallas', or 'auto' on a backend in AUTO_BACKENDS,
+        for a kind it covers; causal calls with Lq ≠ Lk (decoding after a prefix) stay on XLA."""
+        if self.impl == "xla" or (self.impl == "auto" and (jax.default_backend() not in AUTO_BACKENDS
+                                                           or self.fused_unavailable())):
+            return False
+        if jax.default_backend() not in fused.BACKENDS:
+            raise ValueError(f"{self.name}: impl='pallas' runs on {' and '.join(fused.BACKENDS)} (the kernel "
+                             f"lowers through Triton, and interpret mode on CPU), not on "
+                             f"{jax.default_backend()}; impl='xla' runs there")
+        return not (causal and q.shape[1] != k.shape[1])
+
+    def _fused_call(self, q, k, v, mask, causal, ctx):
+        x, y = self.scaled(q, k)
+        xq, rq, pq, cq = self.mech.query_log_linear(x, ctx.draw, ctx.params)
+        xk, rk, pk, ck = self.mech.key_log_linear(y, ctx.draw, ctx.params)
+        vv = _to_bhld(v)
+        out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal)
+        if causal:
+            # a key beyond its chunk's reference by more than the chunk form allows: the exact XLA pass
+            exact = lambda: linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, True,
+                                               self.chunk_size, "auto", self.causal_span).astype(F32)
+            out = jax.lax.cond(jnp.any(exceeded), exact, lambda: out)
+        return _to_bhld(out).astype(v.dtype)
+
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None):
+        if self.uses_fused(causal, q, k):
+            check_qkv(q, k, v, mask, query_mask)
+            if causal:
+                check_causal_lengths(q, k)
+            ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
+            return self._fused_call(q, k, v, mask, causal, ctx)
         if not self.window:
             return super().__call__(q, k, v, mask, causal, rng, step, draw, query_mask, stats)
         check_qkv(q, k, v, mask, query_mask)
@@ -473,6 +552,10 @@ class RandomFeatureAttention(FeatureAttention):
                                       signed=not self.positive)
 
     def decode_prefill(self, k, v, ctx=None, valid=None):
+        if k.shape[1] and self.uses_fused(False, k, k):
+            _, y = self.scaled(k, k)
+            tau, total = fused.prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid)
+            return {"tau": tau, "sum": total}
         if not self.window or k.shape[1] == 0:
             return super().decode_prefill(k, v, ctx, valid)
         _, y = self.scaled(k, k)

@@ -11,7 +11,8 @@ REGISTRY = Registry("attention kind", {cls.name: cls for cls in KINDS})
 # the option each kind's spec variant sets (FAVOR#'s variant, HRF's lambda_, SimRF's features): in every
 # config's attention block, so that a sweep or a flag can set it on the runs of the kind that takes it
 SPEC_OPTIONS = tuple(dict.fromkeys(cls.SPEC_OPTION for cls in KINDS if cls.SPEC_OPTION))
-OWN_DEFAULT = ("coupling", "redraw", *SPEC_OPTIONS)      # block keys whose empty value means "the kind's own"
+# block keys whose empty value means "the kind's own" (impl: "auto")
+OWN_DEFAULT = ("coupling", "redraw", "impl", *SPEC_OPTIONS)
 
 
 names = REGISTRY.names      # every attention kind

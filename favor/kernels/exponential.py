@@ -241,6 +241,43 @@ class ExponentialMechanism(Mechanism):
                                jnp.sum(w.omega * w.omega, -1)[None], jnp.ones((1, m), jnp.float32)], 0)
         return rows @ mat
 
+    def log_linear(self, u, t, w, params):
+        """The map as a log-linear form for the fused kernels (favor.attention.fused):
+        (u' [.., L, D], r [.., L], P [.., D, M], c [.., M]) with log φ(u) = u'·P + c + r, equal to
+        `_log_features(u, t, w, params)`. The transform folds into P (dense, orthogonal) or into u'
+        (diagonal with one a, where P is then the shared draw itself); r is the row's −½||u·T||²."""
+        u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
+        a, m = params.a, w.omega.shape[-2]
+        kind = params.transform
+        if (params.uniform_a and kind in ("identity", "diagonal") and a.ndim > 1
+                and w.omega.ndim == 2 and w.log_weights.ndim == 1):
+            a1 = a[..., :1]                                                   # [..., 1]
+            if kind == "diagonal":
+                u = u * jnp.diagonal(t, axis1=-2, axis2=-1)[..., None, :]
+            row = -0.5 * jnp.sum(u * u, -1) + (0.25 * params.dim * jnp.log1p(-4.0 * a1))
+            const = (0.5 * w.log_weights - 0.5 * math.log(m)
+                     + a1 * jnp.sum(w.omega * w.omega, -1))                 # [..., M]
+            return u * jnp.sqrt(1.0 - 4.0 * a1)[..., None, :], row, _mT(w.omega), const
+        wb = w.omega * jnp.sqrt(1.0 - 4.0 * a)[..., None, :]
+        const = (0.25 * jnp.sum(jnp.log1p(-4.0 * a), -1)[..., None]
+                 + jnp.einsum("...md,...d->...m", w.omega * w.omega, a)
+                 + 0.5 * w.log_weights - 0.5 * math.log(m))
+        proj = _mT(wb) if kind == "identity" else t @ _mT(wb)
+        if kind in ("identity", "orthogonal"):
+            row = -0.5 * jnp.sum(u * u, -1)
+        elif kind == "diagonal":
+            row = -0.5 * ((u * u) @ (jnp.diagonal(t, axis1=-2, axis2=-1) ** 2)[..., :, None])[..., 0]
+        else:
+            ut = u @ t
+            row = -0.5 * jnp.sum(ut * ut, -1)
+        return u, row, proj, const
+
+    def query_log_linear(self, x, w, params):
+        return self.log_linear(x, params.tq, w, params)
+
+    def key_log_linear(self, y, w, params):
+        return self.log_linear(y, params.tk, w, params)
+
     def query_log_features(self, x, w, params):
         return self._log_features(x, params.tq, w, params)
 

@@ -1,0 +1,540 @@
+"""Fused random-feature attention: Pallas kernels for the positive exponential maps (FAVOR+, FAVOR++,
+FAVOR#, SimRF), feature map, stabilisers, chunk recurrence and normaliser in one kernel per pass.
+
+The maps enter as log-linear forms, log φ(u) = u·P + c + r(u) (`ExponentialMechanism.log_linear`):
+P [.., D, F] the projection with any transform folded in, c [.., F] a per-feature constant, r [.., L] a
+per-row term (−½||u'||² and the like). The kernel forms [chunk, F] log-features from [chunk, D] inputs
+in registers and never writes an [L, F] array: what reaches memory is the inputs, the output, one
+log-normaliser per row and one reference per chunk (what the backward pass reads).
+
+Each program is one (batch, head) and walks its sequence in chunks of `chunk` tokens:
+- bidirectional: a pass over the key chunks with a running per-feature maximum τ_f (the state
+  T = Σ_j exp(l_k(j) − τ)[v_j, 1] rescaled when τ grows: every key factor ≤ 1), then a pass over the
+  query chunks with exp(l_q(i) + τ − β_i), β_i = max_f(l_q(i, f) + τ_f): the same stabilisers as
+  favor.attention.linear's bidirectional pass, so the denominator is ≥ 1 and no relevant term underflows.
+- causal: linear.py's fast chunk form, chunk after chunk: keys referenced to the carried τ (or the first
+  valid key before any), a per-key scalar a_j = max_f(l_k(j, f) − τ_f) that weights the values by
+  e^(a_j), a running α_i = max_{j ≤ i} a_j that divides, the in-chunk part a masked [c, c] product, the
+  earlier chunks through the carried state. Every factor depends on its own token and the carry, so
+  the pass is causal bit for bit. It is exact while every a_j ≤ EXCEEDANCE; the kernel reports the
+  largest a_j and the caller (`attend`) recomputes the call on favor's exact XLA path beyond it.
+
+Backward: a custom VJP with kernels of its own, the stabilisers constants (they cancel in the ratio).
+With h_i = [g_i, −g_i·o_i] / den_i (g the output's cotangent, o the output):
+    ∂/∂l_q(i, f) = φ_q(i, f) Σ_{j ≤ i} φ_k(j, f) [v_j, 1]·h_i        (a pass in sequence order)
+    ∂/∂l_k(j, f) = φ_k(j, f) [v_j, 1]·Σ_{i ≥ j} φ_q(i, f) h_i,   ∂/∂v_j = Σ_{i ≥ j} (φ_q(i)·φ_k(j)) g_i/den_i
+(causal: a pass in reverse order with the suffix state U = Σ_i φ_q(i) h_iᵀ; bidirectional: all i, j).
+Every product φ_q(i, f) φ_k(j, f) / den_i is formed as exp(l_q + ρ − log den_i)·exp(l_k − ρ) with a
+reference ρ the forward pass used, each factor ≤ 1 (≤ e^EXCEEDANCE for a causal in-chunk key). The
+fitted parameters and the draw get no gradient here (P and c are constants of the call: the caller
+refuses fit_gradients=True).
+
+On CPU the kernels run in Pallas interpret mode (what the tests check); on GPU they lower through
+Triton, with float32-level products on the tensor cores (PRECISION, PRECISIONS).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+F32 = jnp.float32
+# where the kernels run: GPUs through Triton, CPUs in Pallas interpret mode (a TPU needs a Mosaic lowering
+# of its own, not written)
+BACKENDS = ("gpu", "cpu")
+LOW = -1e30                 # "no reference yet" / "no key": finite, so no −inf − (−inf)
+EXCEEDANCE = 40.0           # the causal chunk form's bound on a_j (linear.FAST_EXCEEDANCE)
+CHUNK = 64                  # tokens per chunk: flash-linear-attention's size; one [64, 64] masked product
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# The kernels' matrix products on a GPU: "highest" is IEEE float32 (Triton then uses no tensor cores),
+# "tf32x3" three TF32 passes on the tensor cores, "bf16" bf16 operands with float32 accumulation. Measured
+# on an H200 (BENCHMARKS.md, accel-nvidia-h200): against favor+'s XLA pass at full float32 precision the
+# kernel differs by 1.3e-6 (highest), 2.0e-6 (tf32x3) and 3.9e-3 (bf16) in its outputs, and "highest"
+# ran the causal forward pass 22 times slower than "tf32x3" (92 against 4.2 ms at L = 1024): "tf32x3" is
+# the default. Interpret mode (CPU) always runs "highest".
+PRECISIONS = {"highest": HIGHEST, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+              "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32}
+PRECISION = "tf32x3"
+_tracing_precision = [HIGHEST]     # what `_dot` uses while `_call` traces a kernel
+
+
+def _dot(a, b, ta=False, tb=False):
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=_tracing_precision[0], preferred_element_type=F32)
+
+
+def _log_features(x, r, p, c):
+    """[n, D] inputs -> [n, F] log-features."""
+    return _dot(x, p) + c[None, :] + r[:, None]
+
+
+def _guard(den):
+    """linear.guard for positive kinds: an exact 0 (no key) divides by 1, so the row outputs 0."""
+    return jnp.maximum(jnp.where(den == 0, 1.0, den), jnp.finfo(F32).tiny)
+
+
+def _iota(n):
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _reference(lk, val, seen, tau):
+    """The chunk's key reference τ0 [F]: the carry once a valid key came before, else the chunk's first
+    valid key (every query that sees a key sees that one); zeros while no key at all (unused then)."""
+    c = lk.shape[0]
+    idx = _iota(c)
+    first = jnp.min(jnp.where(val, idx, c))
+    anchor = jnp.sum(jnp.where((idx == first)[:, None], lk, 0.0), axis=0)
+    return jnp.where(seen > 0, tau, anchor)
+
+
+def _causal_terms(lq, lk, val, tau0, real):
+    """The chunk's stabilised factors on reference τ0: a_j (LOW for padding), β_i, fq = exp(l_q + τ0 − β),
+    fk = exp(l_k − τ0 − a) (0 for padded keys and features), key weights w = e^min(a, EXCEEDANCE) and the
+    causal mask. `real` [F]: the features that are not padding (a padded feature's l_k − τ0 is a difference
+    of row terms, which must neither set a_j nor overflow)."""
+    c = lk.shape[0]
+    idx = _iota(c)
+    a = jnp.where(val, jnp.max(jnp.where(real[None, :], lk - tau0[None, :], LOW), axis=1), LOW)
+    beta = jnp.max(lq + tau0[None, :], axis=1)
+    fk = jnp.where(val[:, None] & real[None, :], jnp.exp(lk - tau0[None, :] - a[:, None]), 0.0)
+    fq = jnp.exp(lq + tau0[None, :] - beta[:, None])
+    w = jnp.where(val, jnp.exp(jnp.minimum(a, EXCEEDANCE)), 0.0)
+    tri = idx[:, None] >= idx[None, :]
+    return a, beta, fq, fk, w, tri
+
+
+def _rows(i, c):
+    return pl.ds(pl.multiple_of(i * c, c), c)
+
+
+def _load(ref, rows):
+    return ref[rows].astype(F32) if len(ref.shape) == 1 else ref[rows, :].astype(F32)
+
+
+# -- causal ----------------------------------------------------------------------------------------
+def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
+                       o_ref, lden_ref, tau_ref, amax_ref, *, c, n):
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    f, dv = pq.shape[1], v_ref.shape[1]
+
+    def body(i, carry):
+        seen, tau, t, z, amax = carry
+        rows = _rows(i, c)
+        val = val_ref[rows] > 0
+        lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
+        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+        v = _load(v_ref, rows)
+        tau0 = _reference(lk, val, seen, tau)
+        a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, ck > 0.5 * PAD_FEATURE)
+        # α_i = max(0 if a key came before the chunk, max_{j ≤ i} a_j): the row's own causal divisor
+        alpha = jnp.max(jnp.where(tri, a[None, :], LOW), axis=1)
+        alpha = jnp.where(seen > 0, jnp.maximum(alpha, 0.0), alpha)
+        has = alpha > 0.5 * LOW
+        scale = jnp.exp(-jnp.where(has, alpha, 0.0))
+        wv = v * w[:, None]
+        s = jnp.where(tri, _dot(fq, fk, tb=True), 0.0)
+        num = (_dot(fq, t) + _dot(s, wv)) * scale[:, None]
+        den = (jnp.sum(fq * z[None, :], axis=1) + jnp.sum(s * w[None, :], axis=1)) * scale
+        o_ref[rows, :] = (num / _guard(den)[:, None]).astype(o_ref.dtype)
+        # log of the true denominator Σ_j φ_q(i)·φ_k(j): what the backward pass divides by
+        lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + beta, LOW)
+        tau_ref[i, :] = tau0
+        new_tau = jnp.maximum(tau0, jnp.max(lk, axis=0))
+        keep = jnp.exp(tau0 - new_tau)[:, None]
+        t = (t + _dot(fk, wv, ta=True)) * keep
+        z = (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
+        seen = jnp.maximum(seen, jnp.max(jnp.where(val, 1.0, 0.0)))
+        return seen, new_tau, t, z, jnp.maximum(amax, a)
+
+    init = (jnp.float32(0.0), jnp.zeros((f,), F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32),
+            jnp.full((c,), LOW, F32))
+    *_, amax = jax.lax.fori_loop(0, n, body, init)
+    amax_ref[...] = amax
+
+
+def _causal_bwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
+                       o_ref, g_ref, lden_ref, tau_ref, dxq_ref, drq_ref, dxk_ref, drk_ref, dv_ref, *, c, n):
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    f, dv = pq.shape[1], v_ref.shape[1]
+
+    def chunk(i):
+        rows = _rows(i, c)
+        val = val_ref[rows] > 0
+        lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
+        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+        tau0 = tau_ref[i, :]
+        a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, ck > 0.5 * PAD_FEATURE)
+        lden = _load(lden_ref, rows)
+        # r_i = exp(β_i − log den_i): fq·r = exp(l_q + τ0 − log den) (0 for a row with no key). β_i ≤ log den_i
+        # wherever the chunk form is exact (τ0 is reached by a key the row sees); the clamp keeps r finite in
+        # a call beyond it, whose kernel gradient is discarded (the caller's exact path is used) but must not
+        # be NaN (0·inf)
+        r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
+        g = _load(g_ref, rows)
+        delta = jnp.sum(g * _load(o_ref, rows), axis=1)
+        return rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, _load(v_ref, rows)
+
+    # queries, in sequence order: the prefix state as the forward pass carried it
+    def forward(i, carry):
+        t, z = carry
+        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = chunk(i)
+        wv = v * w[:, None]
+        m = jnp.where(tri, _dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
+        dlq = fq * r[:, None] * (_dot(g, t, tb=True) - delta[:, None] * z[None, :] + _dot(m, fk))
+        dxq_ref[rows, :] = _dot(dlq, pq, tb=True)
+        drq_ref[rows] = jnp.sum(dlq, axis=1)
+        keep = jnp.exp(tau0 - jnp.maximum(tau0, jnp.max(lk, axis=0)))[:, None]
+        return (t + _dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
+
+    jax.lax.fori_loop(0, n, forward, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+
+    # keys and values, in reverse: U = Σ_{i in later chunks} exp(l_q(i) + ρ − log den_i)[g_i, −δ_i] on
+    # ρ = the next chunk's reference, which bounds every key of this chunk (exp(l_k − ρ) ≤ 1)
+    def backward(step, carry):
+        ug, ud = carry
+        i = n - 1 - step
+        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = chunk(i)
+        rho = tau_ref[jnp.minimum(i + 1, n - 1), :]
+        ek = jnp.where(val[:, None], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
+        fr = fq * r[:, None]
+        b = jnp.where(tri, _dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
+        s = jnp.where(tri, _dot(fq, fk, tb=True), 0.0)
+        dlk = ek * (_dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * _dot(b, fr, ta=True)
+        dv_ref[rows, :] = (_dot(ek, ug) + w[:, None] * _dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
+        dxk_ref[rows, :] = _dot(dlk, pk, tb=True)
+        drk_ref[rows] = jnp.sum(dlk, axis=1)
+        keep = jnp.exp(jnp.minimum(tau0 - rho, 0.0))
+        return (ug * keep[:, None] + _dot(fr, g, ta=True),
+                ud * keep - jnp.sum(fr * delta[:, None], axis=0))
+
+    jax.lax.fori_loop(0, n, backward, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+
+
+# -- bidirectional ---------------------------------------------------------------------------------
+def _key_state(xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, n):
+    """(τ [F], T [F, Dv], z [F]): the running per-feature key maximum and Σ_j exp(l_k(j) − τ)[v_j, 1]."""
+    f, dv = pk.shape[1], v_ref.shape[1]
+
+    def body(i, carry):
+        tau, t, z = carry
+        rows = _rows(i, c)
+        val = val_ref[rows] > 0
+        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+        new = jnp.maximum(tau, jnp.max(lk, axis=0))
+        keep = jnp.exp(tau - new)
+        fk = jnp.where(val[:, None], jnp.exp(lk - new[None, :]), 0.0)
+        return new, t * keep[:, None] + _dot(fk, _load(v_ref, rows), ta=True), z * keep + jnp.sum(fk, axis=0)
+
+    init = (jnp.full((f,), LOW, F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
+    return jax.lax.fori_loop(0, n, body, init)
+
+
+def _query_terms(xq_ref, rq_ref, rows, pq, cq, tau):
+    lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
+    beta = jnp.max(lq + tau[None, :], axis=1)
+    return beta, jnp.exp(lq + tau[None, :] - beta[:, None])
+
+
+def _bidir_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
+                      o_ref, lden_ref, tau_ref, t_ref, z_ref, *, c, nq, nk):
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    tau, t, z = _key_state(xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, nk)
+
+    def body(i, _):
+        rows = _rows(i, c)
+        beta, fq = _query_terms(xq_ref, rq_ref, rows, pq, cq, tau)
+        den = jnp.sum(fq * z[None, :], axis=1)
+        o_ref[rows, :] = (_dot(fq, t) / _guard(den)[:, None]).astype(o_ref.dtype)
+        lden_ref[rows] = jnp.where(den > 0, jnp.log(jnp.maximum(den, 1e-37)) + beta, LOW)
+        return 0
+
+    jax.lax.fori_loop(0, nq, body, 0)
+    tau_ref[...] = tau
+    t_ref[...] = t
+    z_ref[...] = z
+
+
+def _bidir_bwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
+                      o_ref, g_ref, lden_ref, tau_ref, t_ref, z_ref,
+                      dxq_ref, drq_ref, dxk_ref, drk_ref, dv_ref, *, c, nq, nk):
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    tau, t, z = tau_ref[...], t_ref[...], z_ref[...]
+    f, dv = pq.shape[1], v_ref.shape[1]
+
+    def queries(i, carry):
+        ug, ud = carry
+        rows = _rows(i, c)
+        beta, fq = _query_terms(xq_ref, rq_ref, rows, pq, cq, tau)
+        lden = _load(lden_ref, rows)
+        # β_i ≤ log den_i: the denominator holds the term of the feature that sets β_i (den ≥ 1 on β's scale)
+        fr = fq * jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))[:, None]
+        g = _load(g_ref, rows)
+        delta = jnp.sum(g * _load(o_ref, rows), axis=1)
+        dlq = fr * (_dot(g, t, tb=True) - delta[:, None] * z[None, :])
+        dxq_ref[rows, :] = _dot(dlq, pq, tb=True)
+        drq_ref[rows] = jnp.sum(dlq, axis=1)
+        return ug + _dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
+
+    ug, ud = jax.lax.fori_loop(0, nq, queries, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+
+    def keys(i, _):
+        rows = _rows(i, c)
+        val = val_ref[rows] > 0
+        lk = _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck)
+        ek = jnp.where(val[:, None], jnp.exp(jnp.minimum(lk - tau[None, :], 0.0)), 0.0)
+        dlk = ek * (_dot(_load(v_ref, rows), ug, tb=True) + ud[None, :])
+        dv_ref[rows, :] = _dot(ek, ug).astype(dv_ref.dtype)
+        dxk_ref[rows, :] = _dot(dlk, pk, tb=True)
+        drk_ref[rows] = jnp.sum(dlk, axis=1)
+        return 0
+
+    jax.lax.fori_loop(0, nk, keys, 0)
+
+
+# -- calls -----------------------------------------------------------------------------------------
+# Programs: one per (batch, head, block of FEATURE_BLOCK features). The features are independent given
+# the row's normaliser, so each block runs the passes above over its own features with its own
+# stabilisers; the forward pass combines the blocks' normalised outputs by their log-denominators (a
+# log-sum-exp, below), and the backward pass reads the combined normaliser and output. Splitting the
+# features gives the GPU B·H·F/64 programs instead of B·H and keeps each program's tiles and state
+# ([64, Dv]) small enough for its shared memory.
+FEATURE_BLOCK = 64
+
+
+def _spec(kind, shape, fb, bcast=(False, False)):
+    """The BlockSpec of one operand over the (batch, head, feature block) grid. kind: 'rows' [B, H, L, ...],
+    'valid' [B, L], 'proj' [Bp, Hp, D, F] and 'const' [Bp, Hp, F] (feature-sliced, broadcast dims read at 0),
+    'block' [B, H, G, ...] (one slot per feature block), 'feat' [B, H, (N,) F(, Dv)] (feature-sliced)."""
+    pick = lambda b, h: (0 if bcast[0] else b, 0 if bcast[1] else h)
+    rest = len(shape)
+    if kind == "rows":
+        return pl.BlockSpec((None, None, *shape[2:]), lambda b, h, g: (b, h, *([0] * (rest - 2))))
+    if kind == "valid":
+        return pl.BlockSpec((None, shape[1]), lambda b, h, g: (b, 0))
+    if kind == "proj":
+        return pl.BlockSpec((None, None, shape[2], fb), lambda b, h, g: (*pick(b, h), 0, g))
+    if kind == "const":
+        return pl.BlockSpec((None, None, fb), lambda b, h, g: (*pick(b, h), g))
+    if kind == "block":
+        return pl.BlockSpec((None, None, None, *shape[3:]), lambda b, h, g: (b, h, g, *([0] * (rest - 3))))
+    if kind == "feat3":                                   # [B, H, F]
+        return pl.BlockSpec((None, None, fb), lambda b, h, g: (b, h, g))
+    if kind == "feat_rows":                               # [B, H, N, F]
+        return pl.BlockSpec((None, None, shape[2], fb), lambda b, h, g: (b, h, 0, g))
+    if kind == "feat_cols":                               # [B, H, F, Dv]
+        return pl.BlockSpec((None, None, fb, shape[3]), lambda b, h, g: (b, h, g, 0))
+    raise ValueError(kind)
+
+
+def _compiler(interpret, num_warps):
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as plgpu
+    return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
+
+
+def _call(kernel, inputs, in_kinds, outs, fb, interpret, num_warps, precision="highest"):
+    """pallas_call over the (batch, head, feature block) grid; in_kinds [(kind, bcast)], outs
+    [(shape, dtype, kind)]; the kernel's products at `precision` (PRECISIONS)."""
+    b, h = inputs[0].shape[:2]
+    grid = (b, h, inputs[6].shape[-1] // fb if len(inputs) > 6 else inputs[4].shape[-1] // fb)
+    _tracing_precision[0] = HIGHEST if interpret else PRECISIONS[precision]
+    try:                                  # the kernel is traced inside this call, and only there
+        return pl.pallas_call(
+            kernel, out_shape=[jax.ShapeDtypeStruct(s, d) for s, d, _ in outs], grid=grid,
+            in_specs=[_spec(k, a.shape, fb, bc) for a, (k, bc) in zip(inputs, in_kinds)],
+            out_specs=[_spec(k, s, fb) for s, _, k in outs],
+            interpret=interpret, **_compiler(interpret, num_warps))(*inputs)
+    finally:
+        _tracing_precision[0] = HIGHEST
+
+
+def _in_kinds(ops):
+    """How each of the ten operands is blocked (and which parameter dims broadcast)."""
+    b, h = ops[0].shape[:2]
+    bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
+    pq, cq, pk, ck = ops[6:]
+    return [("rows", None)] * 5 + [("valid", None), ("proj", bc(pq)), ("const", bc(cq)), ("proj", bc(pk)),
+                                   ("const", bc(ck))]
+
+
+def _combine(o, lden):
+    """The blocks' outputs o [B, H, G, L, Dv], each normalised over its own features, and their log-
+    denominators [B, H, G, L] (LOW: no mass) -> the output and the row's log-denominator over all features."""
+    top = jnp.max(lden, axis=2, keepdims=True)
+    w = jnp.where(lden > 0.5 * LOW, jnp.exp(lden - top), 0.0)
+    den = jnp.sum(w, axis=2)
+    out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
+    return out, jnp.where(den > 0, top[:, :, 0] + jnp.log(jnp.where(den > 0, den, 1.0)), LOW)
+
+
+def _forward(ops, causal, c, fb, interpret, num_warps, precision):
+    """(out [B, H, Lq, Dv], log-denominator [B, H, Lq], what the backward pass reads, largest a_j [B, H])."""
+    xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
+    b, h, lq, _ = xq.shape
+    lk, dv, f = xk.shape[2], v.shape[-1], pq.shape[-1]
+    g = f // fb
+    block = [((b, h, g, lq, dv), F32, "block"), ((b, h, g, lq), F32, "block")]
+    if causal:
+        n = lk // c
+        kernel = functools.partial(_causal_fwd_kernel, c=c, n=n)
+        outs = block + [((b, h, n, f), F32, "feat_rows"), ((b, h, g, c), F32, "block")]
+    else:
+        kernel = functools.partial(_bidir_fwd_kernel, c=c, nq=lq // c, nk=lk // c)
+        outs = block + [((b, h, f), F32, "feat3"), ((b, h, f, dv), F32, "feat_cols"), ((b, h, f), F32, "feat3")]
+    res = _call(kernel, ops, _in_kinds(ops), outs, fb, interpret, num_warps, precision)
+    out, lden = _combine(res[0], res[1])
+    if causal:
+        return out, lden, (res[2],), jnp.max(res[3], axis=(2, 3))
+    return out, lden, (res[2], res[3], res[4]), jnp.full((b, h), LOW, F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15))
+def _core(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, interpret, num_warps, precision):
+    out, _, _, amax = _forward((xq, rq, xk, rk, v, val, pq, cq, pk, ck), causal, c, fb, interpret, num_warps,
+                               precision)
+    return out, amax
+
+
+def _core_fwd(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, interpret, num_warps, precision):
+    ops = (xq, rq, xk, rk, v, val, pq, cq, pk, ck)
+    out, lden, saved, amax = _forward(ops, causal, c, fb, interpret, num_warps, precision)
+    return (out, amax), (ops, out, lden, saved)
+
+
+def _core_bwd(causal, c, fb, interpret, num_warps, precision, residuals, cotangents):
+    ops, out, lden, saved = residuals
+    g = cotangents[0].astype(F32)
+    xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
+    b, h, lq, dq = xq.shape
+    lk, dk, dv, f = xk.shape[2], xk.shape[3], v.shape[-1], pq.shape[-1]
+    nb = f // fb
+    outs = [((b, h, nb, lq, dq), F32, "block"), ((b, h, nb, lq), F32, "block"), ((b, h, nb, lk, dk), F32, "block"),
+            ((b, h, nb, lk), F32, "block"), ((b, h, nb, lk, dv), F32, "block")]
+    kinds = _in_kinds(ops) + [("rows", None)] * 3
+    if causal:
+        kernel = functools.partial(_causal_bwd_kernel, c=c, n=lk // c)
+        kinds += [("feat_rows", None)]
+    else:
+        kernel = functools.partial(_bidir_bwd_kernel, c=c, nq=lq // c, nk=lk // c)
+        kinds += [("feat3", None), ("feat_cols", None), ("feat3", None)]
+    parts = _call(kernel, (*ops, out, g, lden, *saved), kinds, outs, fb, interpret, num_warps, precision)
+    dxq, drq, dxk, drk, dvv = (jnp.sum(p, axis=2) for p in parts)         # the feature blocks' shares
+    zero = lambda a: jnp.zeros_like(a)
+    return (dxq.astype(xq.dtype), drq, dxk.astype(xk.dtype), drk, dvv.astype(v.dtype), zero(val),
+            zero(pq), zero(cq), zero(pk), zero(ck))
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _feature_width(f):
+    """F padded for the kernel: a power of two up to one feature block, whole blocks beyond (F = 130 runs
+    as 192, not 256)."""
+    return _pow2(f) if f <= FEATURE_BLOCK else -(-f // FEATURE_BLOCK) * FEATURE_BLOCK
+
+
+def _pow2(n, least=16):
+    return max(least, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def _pad_to(a, axis, size, value=0.0):
+    axis = axis % a.ndim
+    if a.shape[axis] == size:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, pad, constant_values=value)
+
+
+def _heads(a, nd):
+    """Leading dims of a parameter right-aligned to (batch, head): [.., X] -> [Bp, Hp, X...]."""
+    lead = a.ndim - nd
+    if lead > 2:
+        raise ValueError(f"a feature-map parameter with {lead} leading dims; expected (batch, head) at most")
+    return a.reshape((1,) * (2 - lead) + a.shape)
+
+
+# Features padded to the kernel's width (Triton's blocks) get this constant: far below every real
+# log-feature, so a padded feature never sets a query's maximum and its query factor is 0; the causal key
+# scalar a_j skips features whose constant is below half of it (no real map's constant comes near)
+PAD_FEATURE = -1e4
+
+
+def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CHUNK, interpret=None,
+           num_warps=4, precision=None):
+    """Linear attention over log φ_q = xq·pq + cq + rq and log φ_k = xk·pk + ck + rk with the fused
+    kernels: xq [B, H, Lq, D], rq [B, H, Lq], xk, rk likewise over Lk, pq/pk [.., D, F] and cq/ck [.., F]
+    with leading (batch, head) dims broadcast from the right, v [B, H, Lk, Dv], valid [B, Lk] or None.
+    Returns (out [B, H, Lq, Dv] float32, exceeded [B, H] bool): where `exceeded`, a causal key exceeded
+    its chunk's reference by more than EXCEEDANCE and the caller must use an exact path. Causal needs
+    Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU.
+    `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION)."""
+    b, h, lq, d = xq.shape
+    lk, dv = xk.shape[2], v.shape[-1]
+    if causal and lq != lk:
+        raise ValueError(f"the fused causal kernel needs Lq = Lk; got {lq} and {lk}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    f = pq.shape[-1]
+    dp, fp, dvp = _pow2(d), _feature_width(f), _pow2(dv)
+    c = min(_pow2(chunk), _pow2(max(lq, lk)))
+    lqp, lkp = -(-lq // c) * c, -(-lk // c) * c
+    if causal:
+        lqp = lkp = max(lqp, lkp)
+    valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
+    x_in = lambda x, lp: _pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp)
+    ops = (x_in(xq, lqp), _pad_to(rq.astype(F32), 2, lqp), x_in(xk, lkp), _pad_to(rk.astype(F32), 2, lkp),
+           _pad_to(_pad_to(v, 3, dvp), 2, lkp), _pad_to(valid, 1, lkp),
+           _pad_to(_pad_to(_heads(pq.astype(F32), 2), 2, dp), 3, fp),
+           _pad_to(_heads(cq.astype(F32), 1), 2, fp, PAD_FEATURE),
+           _pad_to(_pad_to(_heads(pk.astype(F32), 2), 2, dp), 3, fp),
+           _pad_to(_heads(ck.astype(F32), 1), 2, fp, PAD_FEATURE))
+    # parameters are constants of the kernel call (their cotangents are not computed)
+    ops = ops[:6] + tuple(jax.lax.stop_gradient(p) for p in ops[6:])
+    precision = precision or PRECISION
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    out, amax = _core(*ops, causal, c, min(FEATURE_BLOCK, fp), bool(interpret), num_warps, precision)
+    return out[:, :, :lq, :dv], amax > EXCEEDANCE
+
+
+def _prefill_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, t_ref, z_ref, *, c, n):
+    tau, t, z = _key_state(xk_ref, rk_ref, v_ref, val_ref, pk_ref[...], ck_ref[...], c, n)
+    tau_ref[...] = tau
+    t_ref[...] = t
+    z_ref[...] = z
+
+
+def prefill(xk, rk, pk, ck, v, valid=None, chunk=CHUNK, interpret=None, num_warps=4):
+    """The decoding state after keys log φ_k = xk·pk + ck + rk and values v (shapes as in `attend`),
+    computed by the bidirectional pass's key kernel: (τ [B, H, F], the per-feature key maximum, −inf
+    where no valid key; Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), linear.decode_prefill's
+    "tau" and "sum". Not differentiable (a prompt's prefill)."""
+    b, h, lk, d = xk.shape
+    dv, f = v.shape[-1], pk.shape[-1]
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    dp, fp, dvp = _pow2(d), _feature_width(f), _pow2(dv)
+    c = min(_pow2(chunk), _pow2(lk))
+    lkp = -(-lk // c) * c
+    valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
+    ops = (_pad_to(_pad_to(xk.astype(F32), 3, dp), 2, lkp), _pad_to(rk.astype(F32), 2, lkp),
+           _pad_to(_pad_to(v, 3, dvp), 2, lkp), _pad_to(valid, 1, lkp),
+           _pad_to(_pad_to(_heads(pk.astype(F32), 2), 2, dp), 3, fp),
+           _pad_to(_heads(ck.astype(F32), 1), 2, fp, PAD_FEATURE))
+    ops = tuple(jax.lax.stop_gradient(a) for a in ops)
+    bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
+    fb = min(FEATURE_BLOCK, fp)
+    outs = [((b, h, fp), F32, "feat3"), ((b, h, fp, dvp), F32, "feat_cols"), ((b, h, fp), F32, "feat3")]
+    kinds = [("rows", None)] * 3 + [("valid", None), ("proj", bc(ops[4])), ("const", bc(ops[5]))]
+    tau, t, z = _call(functools.partial(_prefill_kernel, c=c, n=lkp // c), ops, kinds, outs, fb, bool(interpret),
+                      num_warps)
+    tau, t, z = tau[..., :f], t[..., :f, :dv], z[..., :f]
+    return jnp.where(tau > 0.5 * LOW, tau, -jnp.inf), jnp.concatenate([t, z[..., None]], -1)

@@ -1,0 +1,364 @@
+"""The fused Pallas kernels (favor.attention.fused), run here in Pallas interpret mode: equal to the float64
+reference (tests/reference.py) and to favor's XLA passes, outputs and gradients, at padding, lengths that
+are not a multiple of the chunk, widths that are not powers of two, bf16, norms up to 10·√D, L = 1; the
+future never moves the past, bit for bit; the prefill state equals XLA's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from favor import attention
+from favor.attention import fused, kinds
+from test_attention import calibration_stats, check_against_reference, key_mask, qkv
+
+# every mechanism the kernel covers: the four kinds and FAVOR#'s variants, antithetic and importance-
+# sampled FAVOR+ (a doubled draw; per-head proposals with log-weights)
+SPECS = ["favor+", "favor++", "favor#", "favor#:saderf", "favor#:aderf", "simrf"]
+EXTRA = [("favor+", {"antithetic": True}), ("favor+", {"importance_sampling": True})]
+
+_MADE = {}
+
+
+def make(spec, impl="pallas", **opts):
+    key = (spec, impl, tuple(sorted(opts.items())))
+    if key not in _MADE:
+        kind, spec_opts = attention.parse_spec(spec)
+        # F = 100: padded to 128 inside the kernel, two feature blocks of 64 (the second part padding);
+        # chunk_size only matters to the XLA side
+        _MADE[key] = attention.get(kind, num_features=100, impl=impl, chunk_size=4, **spec_opts, **opts)
+    return _MADE[key]
+
+
+def _ctx(attn, q, k, mask, causal, stats):
+    return attn.context(q, k, mask, None, None, None, None, stats, causal)
+
+
+@pytest.mark.parametrize("spec,opts", [(s, {}) for s in SPECS] + EXTRA)
+def test_log_linear_forms_equal_the_feature_maps(spec, opts):
+    """x'·P + c + r of `log_linear` is the mechanism's own log-feature map, queries and keys, with the
+    per-head fits (favor++, favor#) and the shared draw."""
+    attn = make(spec, **opts)
+    q, k, _ = qkv(b=2, lq=9, lk=9, d=8, seed=1)
+    ctx = _ctx(attn, q, k, None, False, None)
+    x, y = attn.scaled(q, k)
+    for (l, _), (u, r, p, c) in ((attn.query_map(ctx, x), attn.mech.query_log_linear(x, ctx.draw, ctx.params)),
+                                 (attn.key_map(ctx, y), attn.mech.key_log_linear(y, ctx.draw, ctx.params))):
+        c = c if c.ndim == 1 else c[..., None, :]
+        np.testing.assert_allclose(np.asarray(u @ p + c + r[..., None]), np.asarray(l), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spec", SPECS)
+def test_fused_equals_float64_reference_with_padding(spec, causal):
+    """L = 37 (one chunk of 64, part padding; D = 8 and F = 100 padded to 16 and 128), keys padded
+    at the end, in the middle and a whole leading run of 20 (the causal reference starts at the first
+    valid key), against the float64 reference."""
+    attn = make(spec)
+    q, k, v = qkv(b=2, lq=37, lk=37, seed=2)
+    mask = np.ones((2, 37), bool)
+    mask[0, -3:] = False
+    mask[1, :20] = False
+    mask[1, 25] = False
+    check_against_reference(attn, q, k, v, jnp.asarray(mask), causal,
+                            stats=calibration_stats(attn, 8) if causal else None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_several_chunks_equal_the_float64_reference(causal):
+    """L = 150 in chunks of 64: three chunks, the carried state and the reference moving between them."""
+    attn = make("favor+")
+    q, k, v = qkv(b=1, lq=150, lk=150, seed=3, scale=0.9)
+    mask = jnp.ones((1, 150), bool).at[0, 70:80].set(False)
+    check_against_reference(attn, q, k, v, mask, causal)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spec", ["favor+", "favor#"])
+def test_large_norms_equal_float64_reference(spec, causal, dtype):
+    """||q||, ||k|| from 1 to 10·√D (D = 16) along the sequence and reversed: in causal mode the reversed
+    order takes keys far beyond their chunk's reference, where the call must fall back to the exact
+    XLA pass (checked: the kernel reports it)."""
+    attn = make(spec)
+    d, l = 16, 12
+    norms = np.linspace(1.0, 10.0 * d ** 0.5, l)
+    for order in (norms, norms[::-1]):
+        q, k, v = qkv(b=1, lq=l, lk=l, d=d, norms=order, dtype=dtype, seed=9)
+        mask = jnp.ones((1, l), bool).at[0, 5].set(False)
+        stats = calibration_stats(attn, d, h=2)
+        out = check_against_reference(attn, q, k, v, mask, causal, stats=stats,
+                                      out_rtol=1e-2 if dtype == jnp.bfloat16 else 0.0)
+        assert np.all(np.isfinite(out))
+    if causal:
+        ctx = _ctx(attn, q, k, mask, True, stats)
+        x, y = attn.scaled(q, k)
+        _, exceeded = fused.attend(*attn.mech.query_log_linear(x, ctx.draw, ctx.params),
+                                   *attn.mech.key_log_linear(y, ctx.draw, ctx.params),
+                                   jnp.swapaxes(v, 1, 2), mask, True)
+        assert bool(jnp.any(exceeded))
+
+
+def _value_and_grads(attn, causal, mask, stats, w):
+    @jax.jit
+    def f(q, k, v):
+        loss = lambda q, k, v: jnp.sum(w * attn(q, k, v, mask=mask, causal=causal, stats=stats).astype(jnp.float32))
+        return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+    return f
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spec", SPECS)
+def test_fused_equals_xla_outputs_and_gradients(spec, causal, dtype):
+    """The kernel and favor's XLA pass (impl='xla') agree to float32 rounding, outputs and d/d(q, k, v),
+    with padding; bf16 inputs give bf16 outputs and gradients."""
+    q, k, v = qkv(b=2, lq=70, lk=70, seed=4, dtype=dtype)
+    mask = jnp.ones((2, 70), bool).at[0, -5:].set(False).at[1, :20].set(False)
+    w = jax.random.normal(jax.random.PRNGKey(5), v.shape)
+    stats = calibration_stats(make(spec), 8) if causal else None
+    (l1, g1), (l2, g2) = (_value_and_grads(make(spec, impl), causal, mask, stats, w)(q, k, v)
+                          for impl in ("xla", "pallas"))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(float(l2), float(l1), rtol=tol * 10, atol=tol * 10)
+    for a, b in zip(g1, g2):
+        assert b.dtype == dtype
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= tol * np.max(np.abs(a)) + 1e-7, (spec, causal, np.max(np.abs(a - b)))
+
+
+def _explicit(x, y, v, lx_of, ly_of, causal, mask):
+    """float64 attention from explicit weights Σ_f exp(l_x + l_y), written here: no favor code."""
+    lx, ly = lx_of(x), ly_of(y)                                                 # [H, L, F]
+    lt = lx[:, :, None, :] + ly[:, None, :, :]
+    shift = np.max(lt)
+    wts = np.sum(np.exp(lt - shift), -1)                                        # [H, Lq, Lk]
+    keep = np.asarray(mask, bool)[None, None, :]
+    if causal:
+        keep = keep & np.tril(np.ones(wts.shape[1:], bool))[None]
+    wts = np.where(keep, wts, 0.0)
+    return (wts @ v) / np.sum(wts, -1, keepdims=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spec", ["favor+", "favor++"])
+def test_gradients_equal_float64_finite_differences(spec, causal):
+    """d/d(q, k, v) of Σ w·out from the kernel's backward pass against central differences of a float64
+    computation from explicit weights (ε = 1e-6, in random directions)."""
+    attn = make(spec)
+    b, l, h, d, dv = 1, 40, 2, 8, 5
+    q, k, v = qkv(b=b, lq=l, lk=l, h=h, d=d, dv=dv, seed=6)
+    mask = jnp.ones((b, l), bool).at[0, 7].set(False)
+    stats = calibration_stats(attn, d) if causal else None
+    ctx = _ctx(attn, q, k, mask, causal, stats)
+    omega, log_w = np.asarray(ctx.draw.omega, np.float64), np.asarray(ctx.draw.log_weights, np.float64)
+    tq, tk, a = (np.asarray(p, np.float64) for p in (ctx.params.tq, ctx.params.tk, ctx.params.a))
+    sel = lambda p: p[0] if p.ndim >= 3 and p.shape[0] == b else p          # batch 1: [H, ...] or shared
+    lx_of = lambda x: reference.exponential_log_features(x, sel(tq), sel(a), omega, log_w)
+    ly_of = lambda y: reference.exponential_log_features(y, sel(tk), sel(a), omega, log_w)
+    w = np.asarray(jax.random.normal(jax.random.PRNGKey(7), (b, l, h, dv)), np.float64)
+
+    def loss64(q, k, v):
+        s = d ** -0.25
+        x, y, vv = (np.swapaxes(np.asarray(t, np.float64), 1, 2)[0] for t in (q, k, v))
+        out = _explicit(x * s, y * s, vv, lx_of, ly_of, causal, np.asarray(mask)[0])
+        return float(np.sum(np.swapaxes(w, 1, 2)[0] * out))
+
+    _, grads = _value_and_grads(attn, causal, mask, stats, jnp.asarray(w, jnp.float32))(q, k, v)
+    rng = np.random.default_rng(0)
+    args = [np.asarray(t, np.float64) for t in (q, k, v)]
+    for i, g in enumerate(grads):
+        for _ in range(2):
+            direction = rng.standard_normal(args[i].shape)
+            plus, minus = list(args), list(args)
+            plus[i], minus[i] = args[i] + 1e-6 * direction, args[i] - 1e-6 * direction
+            fd = (loss64(*plus) - loss64(*minus)) / 2e-6
+            got = float(np.sum(np.asarray(g, np.float64) * direction))
+            assert abs(got - fd) <= 2e-4 * (abs(fd) + np.linalg.norm(np.asarray(g)) * 1e-2), (i, got, fd)
+
+
+@pytest.mark.parametrize("spec", ["favor+", "favor#"])
+def test_the_future_never_moves_the_past_bit_for_bit(spec):
+    """Tokens from position t on replaced (q, k, v; t inside a chunk and at a chunk's start): every output
+    before t is the same float32, and so is every gradient reaching q, k, v before t from those outputs."""
+    attn = make(spec)
+    l = 150
+    q, k, v = qkv(b=1, lq=l, lk=l, seed=8, scale=0.9)
+    stats = calibration_stats(attn, 8)
+    q2, k2, v2 = qkv(b=1, lq=l, lk=l, seed=18, scale=0.9)
+    run = jax.jit(lambda q, k, v: attn(q, k, v, causal=True, stats=stats))
+    grad = jax.jit(jax.grad(lambda q, k, v, t: jnp.sum(jnp.where(jnp.arange(l)[None, :, None, None] < t,
+                                                                 attn(q, k, v, causal=True, stats=stats), 0.0)),
+                            (0, 1, 2)))
+    base, gbase = np.asarray(run(q, k, v)), grad(q, k, v, 0)
+    for t in (1, 45, 64, 128):
+        mix = lambda a, b: a.at[:, t:].set(b[:, t:])
+        qm, km, vm = mix(q, q2), mix(k, k2), mix(v, v2)
+        out = np.asarray(run(qm, km, vm))
+        np.testing.assert_array_equal(out[:, :t], base[:, :t])
+        g1, g2 = grad(q, k, v, t), grad(qm, km, vm, t)
+        for a, b in zip(g1, g2):
+            np.testing.assert_array_equal(np.asarray(a)[:, :t], np.asarray(b)[:, :t])
+    del gbase
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_invariants(causal):
+    """Identical keys give mean(v) over the valid keys; causal position 0 outputs v_0; L = 1."""
+    attn = make("favor+")
+    q, k, v = qkv(b=1, lq=20, lk=20, seed=10, d=16, norms=np.full(20, 8.0))
+    k = jnp.broadcast_to(k[:, :1], k.shape)
+    mask = jnp.ones((1, 20), bool).at[0, 3].set(False)
+    out = np.asarray(attn(q, k, v, mask=mask, causal=causal), np.float64)
+    vv = np.asarray(v, np.float64)
+    if causal:
+        np.testing.assert_allclose(out[:, 0], vv[:, 0], rtol=1e-5, atol=1e-6)
+        counts = np.cumsum(np.asarray(mask, np.float64)[0])
+        means = np.cumsum(vv[0] * np.asarray(mask, np.float64)[0][:, None, None], 0) / counts[:, None, None]
+        np.testing.assert_allclose(out[0], means, rtol=1e-4, atol=1e-5)
+    else:
+        mean = np.sum(vv * np.asarray(mask)[..., None, None], 1) / 19
+        np.testing.assert_allclose(out, np.broadcast_to(mean[:, None], out.shape), rtol=1e-4, atol=1e-5)
+    q1, k1, v1 = qkv(b=2, lq=1, lk=1, seed=11)
+    np.testing.assert_allclose(np.asarray(attn(q1, k1, v1, causal=causal)), np.asarray(v1), rtol=1e-5, atol=1e-6)
+
+
+def test_padding_only_rows_output_zero_with_finite_gradients():
+    attn = make("favor+")
+    q, k, v = qkv(b=2, lq=20, lk=20, seed=12)
+    mask = jnp.ones((2, 20), bool).at[1].set(False)
+    for causal in (False, True):
+        out = attn(q, k, v, mask=mask, causal=causal)
+        np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+        grads = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, mask=mask, causal=causal) ** 2), (0, 1, 2))(q, k, v)
+        assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+@pytest.mark.parametrize("spec", ["favor+", "favor++"])
+def test_prefill_equals_xla_and_decoding_continues_it(spec):
+    """The kernel's prefill state is XLA's (τ and the sums), and decoding from it equals the causal pass."""
+    fast, slow = make(spec), make(spec, "xla")
+    q, k, v = qkv(b=2, lq=30, lk=30, seed=13)
+    mask = jnp.ones((2, 30), bool).at[0, 2].set(False)
+    stats = calibration_stats(fast, 8)
+    ctx = fast.decode_context(8, stats=stats)
+    s1, s2 = fast.decode_prefill(k[:, :25], v[:, :25], ctx, mask[:, :25]), slow.decode_prefill(k[:, :25], v[:, :25], ctx, mask[:, :25])
+    assert set(s1) == set(s2)
+    np.testing.assert_allclose(np.asarray(s1["tau"]), np.asarray(s2["tau"]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(s1["sum"]), np.asarray(s2["sum"]), rtol=2e-5, atol=1e-6)
+    whole = np.asarray(slow(q, k, v, mask=mask, causal=True, stats=stats))
+    state = s1
+    for t in range(25, 30):
+        out, state = fast.decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, mask[:, t])
+        np.testing.assert_allclose(np.asarray(out[:, 0]), whole[:, t], rtol=1e-4, atol=1e-5)
+
+
+def test_impl_option():
+    """Unknown impl values and what the kernel does not cover are errors naming what is allowed; 'auto'
+    stays on XLA on CPU."""
+    with pytest.raises(ValueError, match="impl.*'auto', 'xla', 'pallas'"):
+        attention.get("favor+", impl="cuda")
+    with pytest.raises(ValueError, match="favor\\+, favor\\+\\+, favor#, simrf"):
+        attention.get("favor", impl="pallas")
+    with pytest.raises(ValueError, match="window"):
+        attention.get("favor+", impl="pallas", window=4)
+    with pytest.raises(ValueError, match="fit_gradients"):
+        attention.get("favor++", impl="pallas", fit_gradients=True)
+    q, k, _ = qkv()
+    assert not attention.get("favor+").uses_fused(False, q, k)          # auto, on CPU
+    assert "cpu" not in kinds.AUTO_BACKENDS
+    assert attention.get("favor+", impl="pallas").uses_fused(True, q, k)
+    assert not attention.get("favor+", impl="pallas").uses_fused(True, q[:, :4], k)   # Lq < Lk: XLA
+
+
+def test_softmax_impl_option():
+    """softmax's impl: cuDNN only where it applies (a GPU, bf16/fp16, equal head dims of 64 or 128, no padding
+    mask), 'auto' falls back to XLA, a forced 'cudnn' elsewhere is an error saying what it needs."""
+    q, k, v = qkv()
+    out = np.asarray(attention.get("softmax")(q, k, v, causal=True))
+    np.testing.assert_array_equal(np.asarray(attention.get("softmax", impl="xla")(q, k, v, causal=True)), out)
+    with pytest.raises(ValueError, match="impl='cudnn' needs a GPU"):
+        attention.get("softmax", impl="cudnn")(q, k, v)
+    with pytest.raises(ValueError, match="impl.*'auto', 'xla', 'cudnn'"):
+        attention.get("softmax", impl="pallas")
+
+
+def test_config_impl_override():
+    """`--config.model.attention.impl=pallas` reaches the layer; on a kind the kernel does not cover it is a
+    config error naming the key, the value and why."""
+    from favor import configlib
+    config = configlib.load("configs/default.py")
+    configlib.apply_flag(config, "--config.model.attention.impl=pallas")
+    configlib.validate(config)
+    assert attention.block_options(config.model.attention)["impl"] == "pallas"
+    configlib.apply_flag(config, "--config.model.attention.kind=favor")
+    with pytest.raises(configlib.ConfigError, match="model.attention.impl='pallas'.*positive exponential kinds"):
+        configlib.validate(config)
+
+
+@pytest.mark.parametrize("family", ["decoder", "bert"])
+def test_models_train_through_the_kernel(family):
+    """A zoo model with impl='pallas' (causal decoder, bidirectional BERT with padding) gives the loss and
+    parameter gradients of the same model on XLA."""
+    from flax import nnx
+    from favor import models
+    ids = jax.random.randint(jax.random.PRNGKey(0), (2, 40), 0, 200)
+    mask = jnp.ones((2, 40), bool).at[1, 30:].set(False)
+    results = []
+    for impl in ("xla", "pallas"):
+        model = models.get(family, "tiny", attention={"kind": "favor+", "num_features": 32, "impl": impl},
+                           rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params):
+            out = nnx.merge(graphdef, params, rest)(ids, attention_mask=mask)
+            logits = out["logits"] if isinstance(out, dict) else out
+            return jnp.mean(logits.astype(jnp.float32) ** 2)
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    (l1, g1), (l2, g2) = results
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-6)
+
+
+def test_fallback_gradients_are_finite_and_equal_xla():
+    """Keys far beyond their chunk's reference (‖q‖, ‖k‖ ≈ 10·√D, F = 128: two feature blocks): the kernel
+    reports it, the call takes the exact XLA path, and the gradients are XLA's (the discarded kernel
+    gradient once made 0·inf = NaN from a feature block whose denominator underflowed)."""
+    rng = np.random.default_rng(3)
+    q, k = (jnp.asarray(rng.standard_normal((1, 128, 1, 16)) * 10, jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 128, 1, 4)), jnp.float32)
+    got = []
+    for impl in ("xla", "pallas"):
+        attn = attention.get("favor+", num_features=128, impl=impl, redraw="fixed")
+        got.append(jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v, causal=True)), (0, 1, 2)))(q, k, v))
+    attn = attention.get("favor+", num_features=128, impl="pallas", redraw="fixed")
+    ctx = _ctx(attn, q, k, None, True, None)
+    x, y = attn.scaled(q, k)
+    _, exceeded = fused.attend(*attn.mech.query_log_linear(x, ctx.draw, ctx.params),
+                               *attn.mech.key_log_linear(y, ctx.draw, ctx.params), jnp.swapaxes(v, 1, 2), None, True)
+    assert bool(jnp.all(exceeded))
+    (l1, g1), (l2, g2) = got
+    assert float(l1) == float(l2)
+    for a, b in zip(g1, g2):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.all(np.isfinite(b))
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a))   # the same pass, compiled inside a cond
+
+
+def test_padded_features_never_set_a_keys_scale():
+    """A map whose row term jumps by 50 between keys while every real log-feature stays 0 (D = 1, F = 24,
+    padded to 32): the padded features' l_k − τ0 is that jump, which must not count as a key exceeding its
+    reference (it once flagged the call and scaled the key's weight by e^(40 − 50))."""
+    l, f = 8, 24
+    xk = np.zeros((1, 1, l, 1), np.float32)
+    xk[0, 0, 0, 0] = 50.0
+    rk = np.zeros((1, 1, l), np.float32)
+    rk[0, 0, 0] = -50.0                                 # l_k(j, f) = 0 for every key and real feature
+    ones, zeros = np.ones((1, f), np.float32), np.zeros((f,), np.float32)
+    v = np.arange(l, dtype=np.float32).reshape(1, 1, l, 1)
+    out, exceeded = fused.attend(jnp.zeros((1, 1, l, 1)), jnp.zeros((1, 1, l)), ones, zeros, xk, rk, ones, zeros,
+                                 v, None, True)
+    assert not bool(exceeded[0, 0])
+    np.testing.assert_allclose(np.asarray(out)[0, 0, :, 0], np.arange(l) / 2.0, rtol=1e-6)   # mean of v_0..v_i
