@@ -195,3 +195,31 @@ def test_bench_generate_writes_speed_and_state_against_softmax(tmp_path):
     assert (tmp_path / "bench" / "generate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
         cli.main(["generate", "--preset", "huge"])
+
+
+def test_bench_accel_checks_times_and_writes(tmp_path, monkeypatch):
+    """Every kind on XLA and, where it has one, on the fused kernel, against softmax; the device check of
+    the kernel; the crossover table, the decoder step and the plot (figures not asserted)."""
+    from favor.bench import accel
+    monkeypatch.setattr(accel, "DECODER", dict(hidden=32, heads=2, num_layers=1, mlp_dim=64))
+    cli.main(["accel", "--check", "--check-length", "80", "--kinds", "favor+,relu", "--lengths", "32,64",
+              "--modes", "causal,bidir", "--passes", "fwd,grad", "--dtypes", "float32", "--head-dims", "64",
+              "--tokens", "64", "--rounds", "2", "--decoder-lengths", "32", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench" / "accel-cpu.json").read_text())
+    assert len(data["rows"]) == 8
+    for r in data["rows"]:
+        assert set(r["results"]) == {"softmax", "favor+/xla", "favor+/pallas", "relu/xla"}
+        assert all(v["median_ms"] > 0 for v in r["results"].values())
+    assert [(c["kind"], c["causal"]) for c in data["checks"]] == [("favor+/pallas", False), ("favor+/pallas", True)]
+    assert all(c["out"] < 1e-5 and c["grad"] < 1e-5 for c in data["checks"])
+    assert data["checks"][1]["causal_bitwise"]
+    assert set(data["decoder"][0]["results"]) == {"softmax", "favor+/xla", "favor+/pallas"}
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "## accel-cpu" in md and "| float32 | 64 | causal+grad | 64 | 1 |" in md and "tok/s" in md
+    png = tmp_path / "bench" / "accel-cpu.png"
+    assert png.stat().st_size > 0
+    png.unlink()
+    cli.main(["accel", "--replot", str(tmp_path / "bench" / "accel-cpu.json")])
+    assert png.stat().st_size > 0
+    with pytest.raises(SystemExit):
+        cli.main(["accel", "--kernel-precisions", "fp8"])

@@ -53,6 +53,8 @@ cli.main(["uptrain", "--config", "configs/default.py:runlocal", "--kinds", "favo
           "--transfer_steps", "2", "--source_steps", "4", "--draws", "1", "--workdir", out + "/runs", "--out", out,
           "--", "--config.eval_every=4", "--config.checkpoint_every=4", "--config.log_every=2"])
 cli.main(["peers", "--lengths", "32", "--rounds", "1", "--modes", "bidirectional", "--out", out])
+cli.main(["accel", "--kinds", "favor+", "--lengths", "32", "--modes", "causal", "--passes", "fwd", "--dtypes", "float32",
+          "--head-dims", "64", "--tokens", "32", "--rounds", "1", "--out", out])
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("tensorflow", "tensorflow_datasets"))
 assert not loaded, loaded[:5]
 print("BENCHES DONE")
@@ -86,7 +88,7 @@ def test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow(tmp_pat
     assert "BENCHES DONE" in done.stdout
     from favor.bench import cli
     assert set(cli.SUBCOMMANDS) == {"attention", "ratios", "parts", "steps", "generate", "train", "uptrain",
-                                    "peers"}           # a new subcommand is added to BENCHES above
+                                    "peers", "accel"}           # a new subcommand is added to BENCHES above
 
 
 def test_a_tfds_pipeline_without_tensorflow_is_one_line_naming_the_extra(tmp_path):

@@ -8,6 +8,7 @@
   uptrain    every kind started from a softmax run (day 0, uptrained, attention transfer, scratch)
   peers      FAVOR+ against performer-pytorch (the optional `bench` extra)
   generate   a decoder's prefill and token-by-token decoding, each kind against softmax's cache
+  accel      every kind (XLA and the fused kernel) against softmax/FlashAttention over lengths to 128K
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not). Each subcommand writes its section of BENCHMARKS.md

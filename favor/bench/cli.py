@@ -12,10 +12,10 @@ import argparse
 import sys
 
 from favor import extras
-from favor.bench import attention, generate, parts, peers, ratios, steps, train, uptrain
+from favor.bench import accel, attention, generate, parts, peers, ratios, steps, train, uptrain
 
 SUBCOMMANDS = {"attention": attention, "ratios": ratios, "parts": parts, "train": train, "steps": steps,
-               "uptrain": uptrain, "peers": peers, "generate": generate}
+               "uptrain": uptrain, "peers": peers, "generate": generate, "accel": accel}
 
 
 def main(argv=None):
