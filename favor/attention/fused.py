@@ -61,7 +61,9 @@ HIGHEST = jax.lax.Precision.HIGHEST
 PRECISIONS = {"highest": HIGHEST, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
               "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32}
 PRECISION = "tf32x3"
-_tracing_precision = [HIGHEST]     # what `_dot` uses while `_call` traces a kernel
+# what `_dot` uses while `_call` traces a kernel: set and reset around that one call (tracing a kernel is
+# synchronous; two threads tracing kernels at different precisions at once would need a lock)
+_tracing_precision = [HIGHEST]
 
 
 def _dot(a, b, ta=False, tb=False):
