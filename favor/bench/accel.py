@@ -360,12 +360,17 @@ def write(names, rows, dec_rows, checks, meta, out_dir, section, with_plot=True)
             f"({'cuDNN flash attention in bf16/fp16, XLA in float32' if meta['backend'] == 'gpu' else 'XLA'}); "
             f"every random-feature kind at F = {F} features, redrawn every call ('/xla': favor's XLA pass at the "
             f"device's default matmul precision; '/pallas': the fused kernel with "
-            f"{meta.get('kernel_precisions', ['highest'])[0]} products, '/pallas-P' with P's); heads = {WIDTH} / D; "
+            + ("IEEE float32 products, as interpret mode runs every precision" if meta["backend"] == "cpu" else
+               f"{meta.get('kernel_precisions', ['highest'])[0]} products, '/pallas-P' with P's")
+            + f"); heads = {WIDTH} / D; "
             f"B = {meta['tokens']} / L tokens per batch (at least 1). Each cell: the median ms per call, the "
             f"median of the per-round ratios to softmax in parentheses, and XLA's planned peak memory of the "
             f"program (arguments, outputs and temporaries). {meta['rounds']} rounds, round-robin. "
             f"'—': not run (the reason given: an error, or the entry was over {meta['max_ms']:g} ms at a shorter "
-            f"length). Raw figures: bench/{section}.json; plot: bench/{section}.png.\n\n"
+            f"length). Raw figures: bench/{section}.json; plot: bench/{section}.png."
+            + (" On a CPU the kernel ('/pallas') runs in Pallas interpret mode, an emulator: its times say nothing "
+               "of the kernel's speed; the check still holds (the kernel's arithmetic is the same)."
+               if meta["backend"] == "cpu" else "") + "\n\n"
             + "\n".join(lines) + "\n\nThe length from which each entry is faster than softmax at every measured "
             "length:\n\n" + "\n".join(cross))
     if dec_rows:
