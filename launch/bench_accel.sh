@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # BENCHMARKS.md's accelerator sections on one GPU host: the fused kernel checked against XLA on the device,
 # FAVOR+ against softmax (cuDNN flash attention) over L = 1K … 128K, every kind at 8K with head dims 64 and
-# 128, and a decoder training step at 4K–32K tokens. About 40 minutes on an H200 (compiling is most of it:
-# ~10 s a program there).
+# 128, and a decoder training step at 4K–32K tokens. Compiling is most of the time (~10 s a program on an
+# H200, one at a time): about 40 minutes so; the bench now compiles each configuration's programs in
+# parallel threads, which the next device run will time.
 #   launch/bench_accel.sh [OUT]     (OUT: where BENCHMARKS.md and bench/*.json go; default: here)
 # Each part stops starting new configurations when its budget (seconds) is spent and writes what it has
 # measured as it goes; PYTHON picks the interpreter (default python3).

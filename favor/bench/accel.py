@@ -7,6 +7,8 @@ them all once in a fresh random order), so the ratios compare programs measured 
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import pathlib
 import random
 import statistics
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 from favor import attention, runtime
 from favor.attention import fused, kinds as kinds_lib
 from favor.bench import sections
-from favor.bench.common import compile_fn, ints, specs
+from favor.bench.common import ints, peak_bytes, specs
 
 KINDS = ("favor+", "favor++", "favor#", "simrf", "favor", "hrf", "relu", "elu")
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -79,6 +81,21 @@ def _error(e):
             else text[:120])
 
 
+def compile_all(lowered):
+    """{name: jax Lowered} -> {name: compiled program, or the exception compiling it raised}, compiled in
+    parallel threads: XLA's compiler releases the GIL, and on an accelerator host compiling (~10 s a
+    program on the H200 measured) is most of the benchmark's time. Tracing (`lower`) stays the caller's,
+    one program at a time: the kernel's precision is a module setting read while tracing."""
+    def one(low):
+        try:
+            return low.compile()
+        except Exception as e:                                     # noqa: BLE001 — the caller reports it
+            return e
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+        jobs = {name: pool.submit(one, low) for name, low in lowered.items()}
+    return {name: job.result() for name, job in jobs.items()}
+
+
 def measure(config, names, rounds, skip, seed=0):
     """One configuration (dtype, head_dim, causal, grad, length, batch): every entry compiled (its planned
     peak bytes from XLA's memory analysis), then timed round-robin. `skip` {name: why} leaves entries out.
@@ -88,18 +105,26 @@ def measure(config, names, rounds, skip, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     q, k, v = ((0.5 * jax.random.normal(kk, (batch, length, heads, d))).astype(dtype) for kk in ks[:3])
     args = (q, k, v, ks[3])
-    results, programs = {}, {}
+    results, programs, lowered = {}, {}, {}
     for name, spec, impl in names:
         if name in skip:
             results[name] = {"error": skip[name]}
             continue
+        try:   # traced one at a time (the kernel's precision is read while tracing)
+            lowered[name] = jax.jit(layer(spec, impl, dtype, causal, grad, q, k)).lower(*args)
+        except Exception as e:                                     # noqa: BLE001 — reported, not hidden
+            results[name] = {"error": _error(e)}
+    for name, compiled in compile_all(lowered).items():
         try:
-            compiled, peak, _ = compile_fn(layer(spec, impl, dtype, causal, grad, q, k), args)
+            if isinstance(compiled, Exception):
+                raise compiled
             jax.block_until_ready(compiled(*args))                                     # warm
             programs[name] = compiled
+            peak = peak_bytes(compiled)
             results[name] = {"peak_mb": None if peak is None else peak / 2 ** 20}
         except Exception as e:                                     # noqa: BLE001 — reported, not hidden
             results[name] = {"error": _error(e)}
+    results = {name: results[name] for name, *_ in names if name in results}       # the entries' order
     times = {name: [] for name in programs}
     order, rnd = list(programs), random.Random(seed)
     for _ in range(rounds):
@@ -233,7 +258,7 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
     for length in lengths:
         batch = max(1, tokens // length)
         ids = jax.random.randint(jax.random.PRNGKey(0), (batch, length), 0, 4000)
-        programs = {}
+        programs, lowered = {}, {}
         for name, spec, impl in entries(kind_specs, precisions):
             kind, opts = attention.parse_spec(spec)
             block = {"kind": kind, **opts}
@@ -256,13 +281,22 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
                     updates, opt_state = tx.update(grads, opt_state, params)
                     return optax.apply_updates(params, updates), opt_state, value
                 state = [params, tx.init(params), rest]
-                state[:2] = step(*state, ids)[:2]
-                jax.block_until_ready(state)
-                programs[name] = (step, state)
+                lowered[name] = step.lower(*state, ids)
+                programs[name] = state
             except Exception as e:                                 # noqa: BLE001 — reported, not hidden
                 programs[name] = _error(e)
             finally:
                 fused.PRECISION = default
+        for name, compiled in compile_all(lowered).items():
+            try:
+                if isinstance(compiled, Exception):
+                    raise compiled
+                state = programs[name]
+                state[:2] = compiled(*state, ids)[:2]                                 # warm
+                jax.block_until_ready(state)
+                programs[name] = (compiled, state)
+            except Exception as e:                                 # noqa: BLE001 — reported, not hidden
+                programs[name] = _error(e)
         times = {n: [] for n, p in programs.items() if not isinstance(p, str)}
         order, rnd = list(times), random.Random(0)
         for _ in range(rounds):

@@ -26,11 +26,17 @@ def timed(fn, args, repeats, min_seconds=0.3):
     return statistics.median(times)
 
 
+def peak_bytes(compiled):
+    """XLA's planned peak memory of a compiled program: arguments, outputs and temporaries (None where the
+    backend gives no memory analysis)."""
+    mem = compiled.memory_analysis()
+    return None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                        + mem.temp_size_in_bytes)
+
+
 def compile_fn(fn, args):
     compiled = jax.jit(fn).lower(*args).compile()
-    mem = compiled.memory_analysis()
-    peak = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                         + mem.temp_size_in_bytes)
+    peak = peak_bytes(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops = float((cost or {}).get("flops", 0.0))
