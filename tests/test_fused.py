@@ -191,7 +191,7 @@ def test_the_future_never_moves_the_past_bit_for_bit(spec):
     grad = jax.jit(jax.grad(lambda q, k, v, t: jnp.sum(jnp.where(jnp.arange(l)[None, :, None, None] < t,
                                                                  attn(q, k, v, causal=True, stats=stats), 0.0)),
                             (0, 1, 2)))
-    base, gbase = np.asarray(run(q, k, v)), grad(q, k, v, 0)
+    base = np.asarray(run(q, k, v))
     for t in (1, 45, 64, 128):
         mix = lambda a, b: a.at[:, t:].set(b[:, t:])
         qm, km, vm = mix(q, q2), mix(k, k2), mix(v, v2)
@@ -200,7 +200,6 @@ def test_the_future_never_moves_the_past_bit_for_bit(spec):
         g1, g2 = grad(q, k, v, t), grad(qm, km, vm, t)
         for a, b in zip(g1, g2):
             np.testing.assert_array_equal(np.asarray(a)[:, :t], np.asarray(b)[:, :t])
-    del gbase
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -319,13 +318,14 @@ def test_models_train_through_the_kernel(family):
     (l1, g1), (l2, g2) = results
     np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-6)
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)) + 1e-9
 
 
 def test_fallback_gradients_are_finite_and_equal_xla():
     """Keys far beyond their chunk's reference (‖q‖, ‖k‖ ≈ 10·√D, F = 128: two feature blocks): the kernel
-    reports it, the call takes the exact XLA path, and the gradients are XLA's (the discarded kernel
-    gradient once made 0·inf = NaN from a feature block whose denominator underflowed)."""
+    reports it, the call takes the exact XLA path, and the gradients are XLA's: the discarded kernel
+    gradient must stay finite (a feature block whose denominator underflows could give 0·inf = NaN)."""
     rng = np.random.default_rng(3)
     q, k = (jnp.asarray(rng.standard_normal((1, 128, 1, 16)) * 10, jnp.float32) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((1, 128, 1, 4)), jnp.float32)
@@ -350,7 +350,7 @@ def test_fallback_gradients_are_finite_and_equal_xla():
 def test_padded_features_never_set_a_keys_scale():
     """A map whose row term jumps by 50 between keys while every real log-feature stays 0 (D = 1, F = 24,
     padded to 32): the padded features' l_k − τ0 is that jump, which must not count as a key exceeding its
-    reference (it once flagged the call and scaled the key's weight by e^(40 − 50))."""
+    reference (it would flag the call and scale the key's weight by e^(40 − 50))."""
     l, f = 8, 24
     xk = np.zeros((1, 1, l, 1), np.float32)
     xk[0, 0, 0, 0] = 50.0

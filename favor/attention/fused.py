@@ -42,12 +42,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from favor.attention import linear
+
 F32 = jnp.float32
 # where the kernels run: GPUs through Triton, CPUs in Pallas interpret mode (a TPU needs a Mosaic lowering
 # of its own, not written)
 BACKENDS = ("gpu", "cpu")
-LOW = -1e30                 # "no reference yet" / "no key": finite, so no −inf − (−inf)
-EXCEEDANCE = 40.0           # the causal chunk form's bound on a_j (linear.FAST_EXCEEDANCE)
+LOW = linear.LOWEST_SCALE   # "no reference yet" / "no key": finite, so no −inf − (−inf)
+EXCEEDANCE = linear.FAST_EXCEEDANCE   # the causal chunk form's bound on a_j
 CHUNK = 64                  # tokens per chunk: flash-linear-attention's size; one [64, 64] masked product
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -74,11 +76,6 @@ def _dot(a, b, ta=False, tb=False):
 def _log_features(x, r, p, c):
     """[n, D] inputs -> [n, F] log-features."""
     return _dot(x, p) + c[None, :] + r[:, None]
-
-
-def _guard(den):
-    """linear.guard for positive kinds: an exact 0 (no key) divides by 1, so the row outputs 0."""
-    return jnp.maximum(jnp.where(den == 0, 1.0, den), jnp.finfo(F32).tiny)
 
 
 def _iota(n):
@@ -143,7 +140,7 @@ def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, c
         s = jnp.where(tri, _dot(fq, fk, tb=True), 0.0)
         num = (_dot(fq, t) + _dot(s, wv)) * scale[:, None]
         den = (jnp.sum(fq * z[None, :], axis=1) + jnp.sum(s * w[None, :], axis=1)) * scale
-        o_ref[rows, :] = (num / _guard(den)[:, None]).astype(o_ref.dtype)
+        o_ref[rows, :] = (num / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
         # log of the true denominator Σ_j φ_q(i)·φ_k(j): what the backward pass divides by
         lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + beta, LOW)
         tau_ref[i, :] = tau0
@@ -252,7 +249,7 @@ def _bidir_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq
         rows = _rows(i, c)
         beta, fq = _query_terms(xq_ref, rq_ref, rows, pq, cq, tau)
         den = jnp.sum(fq * z[None, :], axis=1)
-        o_ref[rows, :] = (_dot(fq, t) / _guard(den)[:, None]).astype(o_ref.dtype)
+        o_ref[rows, :] = (_dot(fq, t) / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
         lden_ref[rows] = jnp.where(den > 0, jnp.log(jnp.maximum(den, 1e-37)) + beta, LOW)
         return 0
 
@@ -463,6 +460,22 @@ def _heads(a, nd):
     return a.reshape((1,) * (2 - lead) + a.shape)
 
 
+def _padded_map(x, r, p, c, lp, fp):
+    """One side's log-linear map padded for the kernel: rows to lp (zeros), D to a power of two (zero
+    inputs and projection rows: exact), features to fp (PAD_FEATURE), parameters with (batch, head) dims."""
+    dp = _pow2(x.shape[-1])
+    return (_pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp), _pad_to(r.astype(F32), 2, lp),
+            _pad_to(_pad_to(_heads(p.astype(F32), 2), 2, dp), 3, fp),
+            _pad_to(_heads(c.astype(F32), 1), 2, fp, PAD_FEATURE))
+
+
+def _padded_values(v, valid, lp):
+    """Values padded to lp rows and Dv to a power of two; the key mask as 0/1 floats over lp (padding: 0)."""
+    b, lk = v.shape[0], v.shape[2]
+    valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
+    return _pad_to(_pad_to(v, 3, _pow2(v.shape[-1])), 2, lp), _pad_to(valid, 1, lp)
+
+
 # Features padded to the kernel's width (Triton's blocks) get this constant: far below every real
 # log-feature, so a padded feature never sets a query's maximum and its query factor is 0; the causal key
 # scalar a_j skips features whose constant is below half of it (no real map's constant comes near)
@@ -478,28 +491,22 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CH
     its chunk's reference by more than EXCEEDANCE and the caller must use an exact path. Causal needs
     Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU.
     `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION)."""
-    b, h, lq, d = xq.shape
-    lk, dv = xk.shape[2], v.shape[-1]
+    lq, lk, dv = xq.shape[2], xk.shape[2], v.shape[-1]
     if causal and lq != lk:
         raise ValueError(f"the fused causal kernel needs Lq = Lk; got {lq} and {lk}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     f = pq.shape[-1]
-    dp, fp, dvp = _pow2(d), _feature_width(f), _pow2(dv)
+    fp = _feature_width(f)
     c = min(_pow2(chunk), _pow2(max(lq, lk)))
     lqp, lkp = -(-lq // c) * c, -(-lk // c) * c
     if causal:
         lqp = lkp = max(lqp, lkp)
-    valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
-    x_in = lambda x, lp: _pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp)
-    ops = (x_in(xq, lqp), _pad_to(rq.astype(F32), 2, lqp), x_in(xk, lkp), _pad_to(rk.astype(F32), 2, lkp),
-           _pad_to(_pad_to(v, 3, dvp), 2, lkp), _pad_to(valid, 1, lkp),
-           _pad_to(_pad_to(_heads(pq.astype(F32), 2), 2, dp), 3, fp),
-           _pad_to(_heads(cq.astype(F32), 1), 2, fp, PAD_FEATURE),
-           _pad_to(_pad_to(_heads(pk.astype(F32), 2), 2, dp), 3, fp),
-           _pad_to(_heads(ck.astype(F32), 1), 2, fp, PAD_FEATURE))
+    xq, rq, pq, cq = _padded_map(xq, rq, pq, cq, lqp, fp)
+    xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lkp, fp)
+    v, valid = _padded_values(v, valid, lkp)
     # parameters are constants of the kernel call (their cotangents are not computed)
-    ops = ops[:6] + tuple(jax.lax.stop_gradient(p) for p in ops[6:])
+    ops = (xq, rq, xk, rk, v, valid, *(jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck)))
     precision = precision or PRECISION
     if precision not in PRECISIONS:
         raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
@@ -519,19 +526,17 @@ def prefill(xk, rk, pk, ck, v, valid=None, chunk=CHUNK, interpret=None, num_warp
     computed by the bidirectional pass's key kernel: (τ [B, H, F], the per-feature key maximum, −inf
     where no valid key; Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), linear.decode_prefill's
     "tau" and "sum". Not differentiable (a prompt's prefill)."""
-    b, h, lk, d = xk.shape
+    b, h, lk, _ = xk.shape
     dv, f = v.shape[-1], pk.shape[-1]
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    dp, fp, dvp = _pow2(d), _feature_width(f), _pow2(dv)
+    fp = _feature_width(f)
     c = min(_pow2(chunk), _pow2(lk))
     lkp = -(-lk // c) * c
-    valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
-    ops = (_pad_to(_pad_to(xk.astype(F32), 3, dp), 2, lkp), _pad_to(rk.astype(F32), 2, lkp),
-           _pad_to(_pad_to(v, 3, dvp), 2, lkp), _pad_to(valid, 1, lkp),
-           _pad_to(_pad_to(_heads(pk.astype(F32), 2), 2, dp), 3, fp),
-           _pad_to(_heads(ck.astype(F32), 1), 2, fp, PAD_FEATURE))
-    ops = tuple(jax.lax.stop_gradient(a) for a in ops)
+    xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lkp, fp)
+    v, valid = _padded_values(v, valid, lkp)
+    ops = tuple(jax.lax.stop_gradient(a) for a in (xk, rk, v, valid, pk, ck))
+    dvp = v.shape[-1]
     bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
     fb = min(FEATURE_BLOCK, fp)
     outs = [((b, h, fp), F32, "feat3"), ((b, h, fp, dvp), F32, "feat_cols"), ((b, h, fp), F32, "feat3")]

@@ -68,9 +68,10 @@ class Attention:
 
 
 class Softmax(Attention):
-    """Exact softmax attention, the baseline (jax.nn.dot_product_attention). impl: "xla", "cudnn"
-    (cuDNN's fused flash attention, GPU only) or "auto": cuDNN on a GPU where it applies (bf16/fp16, equal
-    head dims of 64 or 128, no padding mask, Lq = Lk when causal), XLA otherwise."""
+    """Exact softmax attention, the baseline (jax.nn.dot_product_attention). impl: "xla" or "cudnn"
+    (cuDNN's fused flash attention: a GPU, bf16/fp16, equal head dims of 64 or 128, no padding mask, Lq = Lk
+    when causal). "auto" is XLA: cuDNN through this layer is not yet measured (favor.bench accel times cuDNN
+    directly)."""
 
     name = "softmax"
     OPTIONS = {"impl": "auto"}
@@ -86,7 +87,7 @@ class Softmax(Attention):
         if self.impl == "cudnn" and not fits:
             raise ValueError("softmax: impl='cudnn' needs a GPU, bf16 or fp16 inputs, equal head dims of 64 or "
                              "128, no padding mask and Lq = Lk when causal; impl='auto' falls back to XLA")
-        return self.impl != "xla" and fits
+        return self.impl == "cudnn"
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None):
@@ -301,7 +302,6 @@ class EluAttention(ElementwiseAttention):
     phi = staticmethod(lambda u: jax.nn.elu(u) + 1.0)
 
 
-F32 = jnp.float32
 # How a random-feature kind runs: "xla" (favor.attention.linear), "pallas" (favor.attention.fused), or
 # "auto": the fused kernel on the backends listed here, where it was measured faster than XLA
 # (BENCHMARKS.md), XLA elsewhere and for the kinds and options the kernel does not cover.
@@ -497,7 +497,7 @@ class RandomFeatureAttention(FeatureAttention):
         if causal:
             # a key beyond its chunk's reference by more than the chunk form allows: the exact XLA pass
             exact = lambda: linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, True,
-                                               self.chunk_size, "auto", self.causal_span).astype(F32)
+                                               self.chunk_size, "auto", self.causal_span).astype(linear.F32)
             out = jax.lax.cond(jnp.any(exceeded), exact, lambda: out)
         return _to_bhld(out).astype(v.dtype)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from favor import attention, runtime
 from favor.attention import fused, kinds as kinds_lib
 from favor.bench import sections
-from favor.bench.common import ints, peak_bytes, specs
+from favor.bench.common import choices, ints, peak_bytes, specs
 
 KINDS = ("favor+", "favor++", "favor#", "simrf", "favor", "hrf", "relu", "elu")
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -266,6 +266,8 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
             default, fused.PRECISION = fused.PRECISION, precision or fused.PRECISION   # read when traced
             if kind != "softmax":
                 block.update(num_features=F, impl=impl)
+            else:
+                block.update(impl=_softmax_impl(dtype))            # cuDNN where it applies, as in the grid
             try:
                 model = models.get("decoder", "mini", **DECODER, max_positions=length, attention=block,
                                    dtype=jnp.dtype(dtype).name, rngs=nnx.Rngs(0))
@@ -467,22 +469,14 @@ def add_parser(sub):
                    help="only draw the plot of a run's raw figures (bench/<section>.json) again")
 
 
-def _choices(parser, flag, text, allowed):
-    values = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in values if x not in allowed]
-    if bad or not values:
-        parser.error(f"{flag} {text!r}: expected some of {', '.join(allowed)} separated by commas")
-    return values
-
-
 def main(args, flags, argv, parser):
     if args.replot:
         return replot(args.replot)
     kinds = specs(parser, "--kinds", args.kinds)
     lengths, head_dims = ints(parser, "--lengths", args.lengths), ints(parser, "--head-dims", args.head_dims)
-    dtypes = [jnp.dtype(x) for x in _choices(parser, "--dtypes", args.dtypes, ("bfloat16", "float32", "float16"))]
-    modes = [m == "causal" for m in _choices(parser, "--modes", args.modes, ("causal", "bidir"))]
-    passes = [p == "grad" for p in _choices(parser, "--passes", args.passes, ("fwd", "grad"))]
+    dtypes = [jnp.dtype(x) for x in choices(parser, "--dtypes", args.dtypes, ("bfloat16", "float32", "float16"))]
+    modes = [m == "causal" for m in choices(parser, "--modes", args.modes, ("causal", "bidir"))]
+    passes = [p == "grad" for p in choices(parser, "--passes", args.passes, ("fwd", "grad"))]
     dec_lengths = ints(parser, "--decoder-lengths", args.decoder_lengths) if args.decoder_lengths else []
     dec_kinds = specs(parser, "--decoder-kinds", args.decoder_kinds)
     rounds, tokens = args.rounds, args.tokens
@@ -490,7 +484,7 @@ def main(args, flags, argv, parser):
         kinds, lengths, head_dims, rounds, tokens = ["favor+", "favor#"], [128, 256], [64], 2, 512
         dtypes = [jnp.dtype("float32")]
         dec_lengths = [128]
-    precisions = tuple(_choices(parser, "--kernel-precisions", args.kernel_precisions, tuple(fused.PRECISIONS)))
+    precisions = tuple(choices(parser, "--kernel-precisions", args.kernel_precisions, tuple(fused.PRECISIONS)))
     runtime.keep_host_pages()
     device = "".join(c if c.isalnum() else "-" for c in jax.devices()[0].device_kind.lower())
     section = (args.section or ("accel-cpu" if jax.default_backend() == "cpu" else f"accel-{device}")) + args.section_suffix

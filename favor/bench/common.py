@@ -143,3 +143,12 @@ def specs(parser, flag, text):
         except ValueError as e:
             parser.error(f"{flag}: {e}")
     return kinds
+
+
+def choices(parser, flag, text, allowed):
+    """A comma-separated list of values from `allowed`, or the parser's error naming the flag and them."""
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in values if x not in allowed]
+    if bad or not values:
+        parser.error(f"{flag} {text!r}: expected some of {', '.join(allowed)} separated by commas")
+    return values

@@ -73,6 +73,13 @@ def _mT(m):
     return jnp.swapaxes(m, -1, -2)
 
 
+def _shared_draw(params, w):
+    """Whether a per-head fit with one a for every coordinate (T identity or diagonal) meets a draw shared
+    by every head: the map then has one projection matrix for all of them (`_shared_log_features`)."""
+    return (params.uniform_a and params.transform in ("identity", "diagonal") and params.a.ndim > 1
+            and w.omega.ndim == 2 and w.log_weights.ndim == 1)
+
+
 def _importance_proposal(mt, a):
     """Gaussian proposal p_Ψ ∝ p_Ω·q for f² = D² exp(2Σa_lω_l² + 2ωᵀBx' − ||x'||²), B = diag(√(1−4a)).
 
@@ -193,25 +200,10 @@ class ExponentialMechanism(Mechanism):
     # -- features --------------------------------------------------------------------------------
     def _log_features(self, u, t, w, params):
         u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
-        a = params.a
-        if (params.uniform_a and params.transform in ("identity", "diagonal") and a.ndim > 1
-                and w.omega.ndim == 2 and w.log_weights.ndim == 1):
+        if _shared_draw(params, w):
             return self._shared_log_features(u, t, w, params), None
-        wb = w.omega * jnp.sqrt(1.0 - 4.0 * a)[..., None, :]          # rows √(1−4a_l)·ω_l
+        wmat, const, sq = self._linear_form(u, t, w, params)
         m = w.omega.shape[-2]
-        # per-feature constant: Σ_l ¼log(1−4a_l) + a_l ω_l², half the log-weight, and 1/√M
-        const = (0.25 * jnp.sum(jnp.log1p(-4.0 * a), -1)[..., None]
-                 + jnp.einsum("...md,...d->...m", w.omega * w.omega, a)
-                 + 0.5 * w.log_weights - 0.5 * math.log(m))
-        kind = params.transform
-        wmat = _mT(wb) if kind == "identity" else t @ _mT(wb)          # T folded into the projection
-        if kind in ("identity", "orthogonal"):
-            sq = jnp.sum(u * u, -1, keepdims=True)
-        elif kind == "diagonal":
-            sq = (u * u) @ (jnp.diagonal(t, axis1=-2, axis2=-1) ** 2)[..., :, None]
-        else:
-            ut = u @ t
-            sq = jnp.sum(ut * ut, -1, keepdims=True)
         # One matmul gives the whole log-feature: [u, ||T u||², 1] @ [W; −½; const]. Adding the row
         # and column terms to an [L, M] product afterwards costs XLA:CPU a pass over (and a
         # broadcast copy of) the largest array of the layer (BENCHMARKS.md, design-measurements).
@@ -221,6 +213,25 @@ class ExponentialMechanism(Mechanism):
                                jnp.broadcast_to(const, (*batch, m))[..., None, :]], -2)
         aug = jnp.concatenate([u, sq, jnp.ones_like(sq)], -1)
         return aug @ mat, None
+
+    def _linear_form(self, u, t, w, params):
+        """(P [.., d, M], c [.., M], ||u·T||² [.., L, 1]) with log f = u·P + c − ½||u·T||²: the map of any
+        (T, a), T folded into the projection."""
+        a, m, kind = params.a, w.omega.shape[-2], params.transform
+        wb = w.omega * jnp.sqrt(1.0 - 4.0 * a)[..., None, :]          # rows √(1−4a_l)·ω_l
+        # per-feature constant: Σ_l ¼log(1−4a_l) + a_l ω_l², half the log-weight, and 1/√M
+        const = (0.25 * jnp.sum(jnp.log1p(-4.0 * a), -1)[..., None]
+                 + jnp.einsum("...md,...d->...m", w.omega * w.omega, a)
+                 + 0.5 * w.log_weights - 0.5 * math.log(m))
+        wmat = _mT(wb) if kind == "identity" else t @ _mT(wb)
+        if kind in ("identity", "orthogonal"):
+            sq = jnp.sum(u * u, -1, keepdims=True)
+        elif kind == "diagonal":
+            sq = (u * u) @ (jnp.diagonal(t, axis1=-2, axis2=-1) ** 2)[..., :, None]
+        else:
+            ut = u @ t
+            sq = jnp.sum(ut * ut, -1, keepdims=True)
+        return wmat, const, sq
 
     def _shared_log_features(self, u, t, w, params):
         """The map of a per-head fit with one a for every coordinate and a draw shared by every head: the
@@ -247,29 +258,16 @@ class ExponentialMechanism(Mechanism):
         `_log_features(u, t, w, params)`. The transform folds into P (dense, orthogonal) or into u'
         (diagonal with one a, where P is then the shared draw itself); r is the row's −½||u·T||²."""
         u = check_rows(u, params.dim, f"{self.name} features").astype(jnp.float32)
-        a, m = params.a, w.omega.shape[-2]
-        kind = params.transform
-        if (params.uniform_a and kind in ("identity", "diagonal") and a.ndim > 1
-                and w.omega.ndim == 2 and w.log_weights.ndim == 1):
-            a1 = a[..., :1]                                                   # [..., 1]
-            if kind == "diagonal":
+        if _shared_draw(params, w):
+            a1, m = params.a[..., :1], w.omega.shape[-2]                      # [..., 1]
+            if params.transform == "diagonal":
                 u = u * jnp.diagonal(t, axis1=-2, axis2=-1)[..., None, :]
             row = -0.5 * jnp.sum(u * u, -1) + (0.25 * params.dim * jnp.log1p(-4.0 * a1))
             const = (0.5 * w.log_weights - 0.5 * math.log(m)
                      + a1 * jnp.sum(w.omega * w.omega, -1))                 # [..., M]
             return u * jnp.sqrt(1.0 - 4.0 * a1)[..., None, :], row, _mT(w.omega), const
-        wb = w.omega * jnp.sqrt(1.0 - 4.0 * a)[..., None, :]
-        const = (0.25 * jnp.sum(jnp.log1p(-4.0 * a), -1)[..., None]
-                 + jnp.einsum("...md,...d->...m", w.omega * w.omega, a)
-                 + 0.5 * w.log_weights - 0.5 * math.log(m))
-        proj = _mT(wb) if kind == "identity" else t @ _mT(wb)
-        if kind in ("identity", "orthogonal"):
-            row = -0.5 * jnp.sum(u * u, -1)
-        elif kind == "diagonal":
-            row = -0.5 * ((u * u) @ (jnp.diagonal(t, axis1=-2, axis2=-1) ** 2)[..., :, None])[..., 0]
-        else:
-            ut = u @ t
-            row = -0.5 * jnp.sum(ut * ut, -1)
+        proj, const, sq = self._linear_form(u, t, w, params)
+        row = -0.5 * sq[..., 0]
         return u, row, proj, const
 
     def query_log_linear(self, x, w, params):
