@@ -264,11 +264,30 @@ def test_impl_option():
         attention.get("favor+", impl="pallas", window=4)
     with pytest.raises(ValueError, match="fit_gradients"):
         attention.get("favor++", impl="pallas", fit_gradients=True)
+    with pytest.raises(ValueError, match="'pallas-tf32x3', 'pallas-bf16'"):
+        attention.get("favor+", impl="pallas-fp8")
+    assert attention.get("favor+", impl="pallas-bf16").kernel_precision == "bf16"
+    assert attention.get("favor+", impl="pallas").kernel_precision is None          # fused.PRECISION
     q, k, _ = qkv()
     assert not attention.get("favor+").uses_fused(False, q, k)          # auto, on CPU
-    assert "cpu" not in kinds.AUTO_BACKENDS
+    assert "cpu" not in kinds.AUTO_FUSED
     assert attention.get("favor+", impl="pallas").uses_fused(True, q, k)
     assert not attention.get("favor+", impl="pallas").uses_fused(True, q[:, :4], k)   # Lq < Lk: XLA
+
+
+def test_auto_follows_the_measured_table(monkeypatch):
+    """'auto' runs the kernel exactly where AUTO_FUSED lists the backend, the mode and a key length up to
+    the call's; never for a kind or option the kernel does not cover."""
+    monkeypatch.setitem(kinds.AUTO_FUSED, jax.default_backend(), {"bidirectional": 16})
+    q, k, v = qkv(b=1, lq=20, lk=20, seed=30)
+    auto = attention.get("favor+", num_features=32, redraw="fixed")
+    assert auto.uses_fused(False, q, k)
+    assert not auto.uses_fused(False, q[:, :8], k[:, :8])               # shorter than measured
+    assert not auto.uses_fused(True, q, k)                              # causal: not listed
+    assert not attention.get("favor", num_features=32).uses_fused(False, q, k)   # no kernel for trig
+    assert not attention.get("favor+", num_features=32, window=2).uses_fused(False, q, k)
+    np.testing.assert_allclose(np.asarray(auto(q, k, v)), np.asarray(
+        attention.get("favor+", num_features=32, redraw="fixed", impl="pallas")(q, k, v)), rtol=0, atol=0)
 
 
 def test_softmax_impl_option():
@@ -362,3 +381,148 @@ def test_padded_features_never_set_a_keys_scale():
                                  v, None, True)
     assert not bool(exceeded[0, 0])
     np.testing.assert_allclose(np.asarray(out)[0, 0, :, 0], np.arange(l) / 2.0, rtol=1e-6)   # mean of v_0..v_i
+
+
+def _log_linear_case(seed, b=1, h=2, l=60, d=4, f=24, dv=3, growth=3.0):
+    """Random log-linear maps (log φ = x·P + c + r, r = −½||x||² as FAVOR+'s) over L = 60 in chunks of 8
+    (8 chunks, the last part padding), the key norms growing along the sequence so that the reference
+    moves from segment to segment; a leading run of 20 padded keys (the first segments see no key), one
+    in the middle."""
+    rng = np.random.default_rng(seed)
+    scale = np.linspace(0.3, growth, l)[None, None, :, None]
+    xq, xk = (rng.standard_normal((b, h, l, d)) * scale for _ in range(2))
+    p = rng.standard_normal((h, d, f)) * 0.7
+    c = rng.standard_normal((h, f)) * 0.3
+    v = rng.standard_normal((b, h, l, dv))
+    mask = np.ones((b, l), bool)
+    mask[:, :20] = False
+    mask[:, 33] = False
+    rq, rk = -0.5 * np.sum(xq ** 2, -1), -0.5 * np.sum(xk ** 2, -1)
+    return xq, rq, p, c, xk, rk, p, c, v, mask
+
+
+def _attend64(xq, rq, pq, cq, xk, rk, pk, ck, v, mask, causal):
+    """float64 attention over weights Σ_f exp(l_q(i, f) + l_k(j, f)), written here."""
+    lq = np.einsum("bhld,hdf->bhlf", xq, pq) + cq[None, :, None] + rq[..., None]
+    lk = np.einsum("bhld,hdf->bhlf", xk, pk) + ck[None, :, None] + rk[..., None]
+    lt = lq[:, :, :, None, :] + lk[:, :, None, :, :]
+    top = np.max(lt, axis=-1, keepdims=True)
+    logit = (top + np.log(np.sum(np.exp(lt - top), -1, keepdims=True)))[..., 0]        # [B, H, Lq, Lk]
+    keep = mask[:, None, None, :] & (np.tril(np.ones(logit.shape[2:], bool)) if causal else True)
+    logit = np.where(keep, logit, -np.inf)
+    m = np.max(logit, -1, keepdims=True)
+    wts = np.where(keep, np.exp(logit - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    den = np.sum(wts, -1, keepdims=True)
+    return np.where(den > 0, (wts @ v) / np.where(den > 0, den, 1.0), 0.0)
+
+
+def _attend32(args, causal, segments):
+    xq, rq, pq, cq, xk, rk, pk, ck, v, mask = args
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    return fused.attend(f32(xq), f32(rq), f32(pq), f32(cq), f32(xk), f32(rk), f32(pk), f32(ck), f32(v),
+                        jnp.asarray(mask), causal, chunk=8, segments=segments)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_equal_the_float64_reference_and_each_other(causal):
+    """One segment, segments of several chunks and of one chunk (S = 1, 2, 4, 8 over 8 chunks; the
+    first segments see only padded keys): the float64 reference's outputs, and gradients equal to the
+    one-segment pass's (the carried state and the query sums entering each segment are the sequential
+    pass's, up to float32 rounding)."""
+    args = _log_linear_case(20)
+    want = _attend64(*args, causal)
+    w = jnp.asarray(np.random.default_rng(21).standard_normal(want.shape), jnp.float32)
+    diff = lambda xq, rq, xk, rk, v, s: jnp.sum(w * _attend32((xq, rq, args[2], args[3], xk, rk, args[6], args[7],
+                                                                v, args[9]), causal, s)[0])
+    base = None
+    for s in (1, 2, 4, 8):
+        out, exceeded = _attend32(args, causal, s)
+        assert not bool(jnp.any(exceeded))
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.max(np.abs(want)))
+        grads = jax.grad(diff, (0, 1, 2, 3, 4))(*(jnp.asarray(args[i], jnp.float32) for i in (0, 1, 4, 5, 8)), s)
+        if base is None:
+            base = grads
+            continue
+        # d/dr_q is 0 in exact arithmetic (a row's constant cancels in its ratio): its rounding is measured
+        # against the largest gradient
+        top = max(float(np.max(np.abs(np.asarray(a)))) for a in base)
+        for i, (a, b) in enumerate(zip(base, grads)):
+            a, b = np.asarray(a), np.asarray(b)
+            bound = 1e-6 * top if i == 1 else 1e-5 * np.max(np.abs(a))
+            assert np.max(np.abs(a - b)) <= bound, (s, i, np.max(np.abs(a - b)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_gradients_equal_float64_finite_differences(causal):
+    """Four segments of two chunks: d/d(x_q, x_k, r_k, v) of Σ w·out against central differences of the
+    float64 reference (ε = 1e-6, random directions); d/dr_q, 0 in exact arithmetic (a row's constant
+    cancels in its ratio), is rounding beside the others."""
+    args = _log_linear_case(22, l=40, growth=2.0)
+    w = np.random.default_rng(23).standard_normal(_attend64(*args, causal).shape)
+    loss32 = lambda xq, rq, xk, rk, v: jnp.sum(jnp.asarray(w, jnp.float32) * _attend32(
+        (xq, rq, args[2], args[3], xk, rk, args[6], args[7], v, args[9]), causal, 4)[0])
+    which = (0, 1, 4, 5, 8)
+    grads = jax.grad(loss32, tuple(range(5)))(*(jnp.asarray(args[i], jnp.float32) for i in which))
+    rng = np.random.default_rng(24)
+    assert np.max(np.abs(np.asarray(grads[1]))) <= 1e-5 * np.max(np.abs(np.asarray(grads[0])))
+    for g, i in [(g, i) for g, i in zip(grads, which) if i != 1]:
+        direction = rng.standard_normal(args[i].shape)
+        moved = lambda e: float(np.sum(w * _attend64(*[a + e * direction if j == i else a
+                                                        for j, a in enumerate(args)], causal)))
+        fd = (moved(1e-6) - moved(-1e-6)) / 2e-6
+        got = float(np.sum(np.asarray(g, np.float64) * direction))
+        assert abs(got - fd) <= 2e-4 * (abs(fd) + np.linalg.norm(np.asarray(g)) * 1e-2), (i, got, fd)
+
+
+def test_segments_keep_the_future_from_the_past_bit_for_bit():
+    """Four segments of two chunks: tokens from t on replaced (t inside a chunk, at a chunk's start, at a
+    segment's start): outputs before t and the gradients reaching the inputs before t, bit for bit."""
+    args = _log_linear_case(25)
+    other = _log_linear_case(26)
+    l = args[0].shape[2]
+    w = jnp.asarray(np.random.default_rng(27).standard_normal((1, 2, l, 3)), jnp.float32)
+
+    def run(a, t):
+        out = _attend32(a, True, 4)[0]
+        return out, jax.grad(lambda xq, rq, xk, rk, v: jnp.sum(jnp.where(jnp.arange(l)[:, None] < t, w, 0.0) * _attend32(
+            (xq, rq, a[2], a[3], xk, rk, a[6], a[7], v, a[9]), True, 4)[0]), (0, 1, 2, 3, 4))(
+            *(jnp.asarray(a[i], jnp.float32) for i in (0, 1, 4, 5, 8)))
+
+    for t in (3, 24, 32, 45):
+        mixed = [a.copy() for a in args]
+        for i in (0, 1, 4, 5, 8):
+            mixed[i][:, :, t:] = other[i][:, :, t:]
+        (o1, g1), (o2, g2) = run(args, t), run(mixed, t)
+        np.testing.assert_array_equal(np.asarray(o1)[:, :, :t], np.asarray(o2)[:, :, :t])
+        for a, b in zip(g1, g2):
+            np.testing.assert_array_equal(np.asarray(a)[:, :, :t], np.asarray(b)[:, :, :t])
+
+
+def test_segment_count():
+    """The largest divisor of the chunk count up to what fills SEGMENT_PROGRAMS programs, at most
+    MAX_SEGMENTS; a call with enough programs is not split."""
+    assert fused._segments(256, 64) == 8
+    assert fused._segments(3, 8) == 3
+    assert fused._segments(18, 64) == 6
+    assert fused._segments(4096, 1) == fused.MAX_SEGMENTS
+    assert fused._segments(16, 1024) == 1
+    assert fused._segments(12, 1, want=5) == 4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernels_lower_for_gpus(causal):
+    """Every kernel lowers through Pallas' Triton path for CUDA (lowering needs no GPU): forward, backward
+    and prefill, one segment and several, bf16 inputs. Interpret mode accepts operations Triton does not
+    (a bool cast to float, say); this catches them before a GPU does."""
+    rng = np.random.default_rng(31)
+    b, h, l, d, f, dv = 1, 2, 256, 16, 96, 16
+    x = jnp.asarray(rng.standard_normal((b, h, l, d)), jnp.bfloat16)
+    r, v = jnp.zeros((b, h, l)), jnp.asarray(rng.standard_normal((b, h, l, dv)), jnp.float32)
+    p, c = jnp.asarray(rng.standard_normal((h, d, f)), jnp.float32), jnp.zeros((h, f))
+    for segments in (1, 2):
+        loss = lambda xq, xk, v: jnp.sum(fused.attend(xq, r, p, c, xk, r, p, c, v, jnp.ones((b, l), bool), causal,
+                                                      interpret=False, segments=segments)[0])
+        text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, x, v).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text.lower()
+    jax.jit(lambda xk, v: fused.prefill(xk, r, p, c, v, None, interpret=False)).trace(x, v).lower(
+        lowering_platforms=("cuda",))

@@ -7,7 +7,8 @@ per-row term (−½||u'||² and the like). The kernel forms [chunk, F] log-featu
 in registers and never writes an [L, F] array: what reaches memory is the inputs, the output, one
 log-normaliser per row and one reference per chunk (what the backward pass reads).
 
-Each program is one (batch, head) and walks its sequence in chunks of `chunk` tokens:
+Each program is one (batch, head, block of features, segment of the sequence) and walks its segment in
+chunks of `chunk` tokens (segments: see "calls" below):
 - bidirectional: a pass over the key chunks with a running per-feature maximum τ_f (the state
   T = Σ_j exp(l_k(j) − τ)[v_j, 1] rescaled when τ grows: every key factor ≤ 1), then a pass over the
   query chunks with exp(l_q(i) + τ − β_i), β_i = max_f(l_q(i, f) + τ_f): the same stabilisers as
@@ -23,20 +24,20 @@ Backward: a custom VJP with kernels of its own, the stabilisers constants (they 
 With h_i = [g_i, −g_i·o_i] / den_i (g the output's cotangent, o the output):
     ∂/∂l_q(i, f) = φ_q(i, f) Σ_{j ≤ i} φ_k(j, f) [v_j, 1]·h_i        (a pass in sequence order)
     ∂/∂l_k(j, f) = φ_k(j, f) [v_j, 1]·Σ_{i ≥ j} φ_q(i, f) h_i,   ∂/∂v_j = Σ_{i ≥ j} (φ_q(i)·φ_k(j)) g_i/den_i
-(causal: a pass in reverse order with the suffix state U = Σ_i φ_q(i) h_iᵀ; bidirectional: all i, j).
+(causal: ∂l_q in sequence order from the prefix state, ∂l_k and ∂v in reverse order with the suffix
+state U = Σ_i φ_q(i) h_iᵀ, two kernels; bidirectional: all i, j, the queries' kernel summing U).
 Every product φ_q(i, f) φ_k(j, f) / den_i is formed as exp(l_q + ρ − log den_i)·exp(l_k − ρ) with a
 reference ρ the forward pass used, each factor ≤ 1 (≤ e^EXCEEDANCE for a causal in-chunk key). The
 fitted parameters and the draw get no gradient here (P and c are constants of the call: the caller
 refuses fit_gradients=True).
 
 On CPU the kernels run in Pallas interpret mode (what the tests check); on GPU they lower through
-Triton, with float32-level products on the tensor cores (PRECISION, PRECISIONS).
+Triton, with float32-level products on the tensor cores by default (PRECISION, PRECISIONS).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -116,11 +117,42 @@ def _load(ref, rows):
     return ref[rows].astype(F32) if len(ref.shape) == 1 else ref[rows, :].astype(F32)
 
 
+def _chunks(ref, c):
+    """How many chunks of c rows the program's segment holds (its block of a rows operand)."""
+    return ref.shape[0] // c
+
+
+def _key_state(xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, n):
+    """(τ [F], T [F, Dv], z [F]) over the program's keys: the running per-feature key maximum (LOW where no
+    valid key) and Σ_j exp(l_k(j) − τ)[v_j, 1], every factor ≤ 1."""
+    f, dv = pk.shape[1], v_ref.shape[1]
+
+    def body(i, carry):
+        tau, t, z = carry
+        rows = _rows(i, c)
+        val = val_ref[rows] > 0
+        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+        new = jnp.maximum(tau, jnp.max(lk, axis=0))
+        keep = jnp.exp(tau - new)
+        fk = jnp.where(val[:, None], jnp.exp(lk - new[None, :]), 0.0)
+        return new, t * keep[:, None] + _dot(fk, _load(v_ref, rows), ta=True), z * keep + jnp.sum(fk, axis=0)
+
+    init = (jnp.full((f,), LOW, F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
+    return jax.lax.fori_loop(0, n, body, init)
+
+
+def _key_state_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, t_ref, z_ref, *, c):
+    tau, t, z = _key_state(xk_ref, rk_ref, v_ref, val_ref, pk_ref[...], ck_ref[...], c, _chunks(val_ref, c))
+    tau_ref[...] = tau
+    t_ref[...] = t
+    z_ref[...] = z
+
+
 # -- causal ----------------------------------------------------------------------------------------
 def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                       o_ref, lden_ref, tau_ref, amax_ref, *, c, n):
+                       tin_ref, sin_ref, zin_ref, o_ref, lden_ref, tau_ref, amax_ref, *, c):
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    f, dv = pq.shape[1], v_ref.shape[1]
+    real = ck > 0.5 * PAD_FEATURE
 
     def body(i, carry):
         seen, tau, t, z, amax = carry
@@ -130,7 +162,7 @@ def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, c
         lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
         v = _load(v_ref, rows)
         tau0 = _reference(lk, val, seen, tau)
-        a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, ck > 0.5 * PAD_FEATURE)
+        a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, real)
         # α_i = max(0 if a key came before the chunk, max_{j ≤ i} a_j): the row's own causal divisor
         alpha = jnp.max(jnp.where(tri, a[None, :], LOW), axis=1)
         alpha = jnp.where(seen > 0, jnp.maximum(alpha, 0.0), alpha)
@@ -151,55 +183,80 @@ def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, c
         seen = jnp.maximum(seen, jnp.max(jnp.where(val, 1.0, 0.0)))
         return seen, new_tau, t, z, jnp.maximum(amax, a)
 
-    init = (jnp.float32(0.0), jnp.zeros((f,), F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32),
-            jnp.full((c,), LOW, F32))
-    *_, amax = jax.lax.fori_loop(0, n, body, init)
+    # the carry of the earlier segments: their key state on its running maximum (LOW: no key before)
+    tin = tin_ref[...]
+    seen = jnp.max(jnp.where(tin > 0.5 * LOW, 1.0, 0.0))
+    init = (seen, tin, sin_ref[...], zin_ref[...], jnp.full((c,), LOW, F32))
+    *_, amax = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
     amax_ref[...] = amax
 
 
-def _causal_bwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                       o_ref, g_ref, lden_ref, tau_ref, dxq_ref, drq_ref, dxk_ref, drk_ref, dv_ref, *, c, n):
+def _causal_chunk(refs, i, c, pq, cq, pk, ck):
+    """What both backward sweeps read of chunk i: the forward pass's factors on its reference τ0, r_i =
+    exp(β_i − log den_i), the output's cotangent g and δ_i = g_i·o_i."""
+    xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref = refs
+    rows = _rows(i, c)
+    val = val_ref[rows] > 0
+    lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
+    lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+    tau0 = tau_ref[i, :]
+    a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, ck > 0.5 * PAD_FEATURE)
+    lden = _load(lden_ref, rows)
+    # fq·r = exp(l_q + τ0 − log den) (0 for a row with no key). β_i ≤ log den_i wherever the chunk form is
+    # exact (τ0 is reached by a key the row sees); the clamp keeps r finite in a call beyond it, whose kernel
+    # gradient is discarded (the caller's exact path is used) but must not be NaN (0·inf)
+    r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
+    g = _load(g_ref, rows)
+    delta = jnp.sum(g * _load(o_ref, rows), axis=1)
+    return rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, _load(v_ref, rows)
+
+
+def _causal_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
+                      o_ref, g_ref, lden_ref, tau_ref, sin_ref, zin_ref, dxq_ref, drq_ref, ug_ref, ud_ref, *, c):
+    """∂l_q in sequence order from the prefix state the forward pass carried (the earlier segments' as it
+    entered this one); also the segment's own query sums U_s = Σ_i exp(l_q(i) + R − log den_i)[g_i, −δ_i]
+    on the reference R of its first chunk, which the key sweeps of the earlier segments read."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    f, dv = pq.shape[1], v_ref.shape[1]
+    refs = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref)
+    first = tau_ref[0, :]
 
-    def chunk(i):
-        rows = _rows(i, c)
-        val = val_ref[rows] > 0
-        lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
-        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
-        tau0 = tau_ref[i, :]
-        a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, ck > 0.5 * PAD_FEATURE)
-        lden = _load(lden_ref, rows)
-        # r_i = exp(β_i − log den_i): fq·r = exp(l_q + τ0 − log den) (0 for a row with no key). β_i ≤ log den_i
-        # wherever the chunk form is exact (τ0 is reached by a key the row sees); the clamp keeps r finite in
-        # a call beyond it, whose kernel gradient is discarded (the caller's exact path is used) but must not
-        # be NaN (0·inf)
-        r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
-        g = _load(g_ref, rows)
-        delta = jnp.sum(g * _load(o_ref, rows), axis=1)
-        return rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, _load(v_ref, rows)
-
-    # queries, in sequence order: the prefix state as the forward pass carried it
-    def forward(i, carry):
-        t, z = carry
-        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = chunk(i)
+    def body(i, carry):
+        t, z, ug, ud = carry
+        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(refs, i, c, pq, cq, pk, ck)
         wv = v * w[:, None]
         m = jnp.where(tri, _dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
         dlq = fq * r[:, None] * (_dot(g, t, tb=True) - delta[:, None] * z[None, :] + _dot(m, fk))
         dxq_ref[rows, :] = _dot(dlq, pq, tb=True)
         drq_ref[rows] = jnp.sum(dlq, axis=1)
         keep = jnp.exp(tau0 - jnp.maximum(tau0, jnp.max(lk, axis=0)))[:, None]
-        return (t + _dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
+        # this chunk's rows on the segment's first reference (τ0 ≥ it once a key was seen; rows before any
+        # key have r = 0)
+        fr = fq * (r[:, None] * jnp.exp(jnp.minimum(first - tau0, 0.0))[None, :])
+        return ((t + _dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0],
+                ug + _dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0))
 
-    jax.lax.fori_loop(0, n, forward, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+    init = (sin_ref[...], zin_ref[...], jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32))
+    _, _, ug, ud = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
+    ug_ref[...] = ug
+    ud_ref[...] = ud
 
-    # keys and values, in reverse: U = Σ_{i in later chunks} exp(l_q(i) + ρ − log den_i)[g_i, −δ_i] on
-    # ρ = the next chunk's reference, which bounds every key of this chunk (exp(l_k − ρ) ≤ 1)
-    def backward(step, carry):
+
+def _causal_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
+                      o_ref, g_ref, lden_ref, tau_ref, ugin_ref, udin_ref, rnext_ref, dxk_ref, drk_ref, dv_ref,
+                      *, c):
+    """∂l_k and ∂v in reverse: U = Σ_{i in later chunks} exp(l_q(i) + ρ − log den_i)[g_i, −δ_i] on ρ = the
+    next chunk's reference, which bounds every key of this chunk (exp(l_k − ρ) ≤ 1); it enters the segment
+    as the later segments' sums on the next segment's first reference."""
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    refs = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref)
+    n = _chunks(val_ref, c)
+    rnext = rnext_ref[...]
+
+    def body(step, carry):
         ug, ud = carry
         i = n - 1 - step
-        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = chunk(i)
-        rho = tau_ref[jnp.minimum(i + 1, n - 1), :]
+        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(refs, i, c, pq, cq, pk, ck)
+        rho = jnp.where(i + 1 < n, tau_ref[jnp.minimum(i + 1, n - 1), :], rnext)
         ek = jnp.where(val[:, None], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
         fr = fq * r[:, None]
         b = jnp.where(tri, _dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
@@ -212,38 +269,20 @@ def _causal_bwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, c
         return (ug * keep[:, None] + _dot(fr, g, ta=True),
                 ud * keep - jnp.sum(fr * delta[:, None], axis=0))
 
-    jax.lax.fori_loop(0, n, backward, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+    jax.lax.fori_loop(0, n, body, (ugin_ref[...], udin_ref[...]))
 
 
 # -- bidirectional ---------------------------------------------------------------------------------
-def _key_state(xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, n):
-    """(τ [F], T [F, Dv], z [F]): the running per-feature key maximum and Σ_j exp(l_k(j) − τ)[v_j, 1]."""
-    f, dv = pk.shape[1], v_ref.shape[1]
-
-    def body(i, carry):
-        tau, t, z = carry
-        rows = _rows(i, c)
-        val = val_ref[rows] > 0
-        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
-        new = jnp.maximum(tau, jnp.max(lk, axis=0))
-        keep = jnp.exp(tau - new)
-        fk = jnp.where(val[:, None], jnp.exp(lk - new[None, :]), 0.0)
-        return new, t * keep[:, None] + _dot(fk, _load(v_ref, rows), ta=True), z * keep + jnp.sum(fk, axis=0)
-
-    init = (jnp.full((f,), LOW, F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
-    return jax.lax.fori_loop(0, n, body, init)
-
-
 def _query_terms(xq_ref, rq_ref, rows, pq, cq, tau):
     lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
     beta = jnp.max(lq + tau[None, :], axis=1)
     return beta, jnp.exp(lq + tau[None, :] - beta[:, None])
 
 
-def _bidir_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                      o_ref, lden_ref, tau_ref, t_ref, z_ref, *, c, nq, nk):
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    tau, t, z = _key_state(xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, nk)
+def _bidir_fwd_kernel(xq_ref, rq_ref, pq_ref, cq_ref, tau_ref, t_ref, z_ref, o_ref, lden_ref, *, c):
+    """The queries of one segment against the key state of every key: exp(l_q(i) + τ − β_i), β_i =
+    max_f(l_q(i, f) + τ_f), so the denominator is ≥ 1 and no relevant term underflows."""
+    pq, cq, tau, t, z = pq_ref[...], cq_ref[...], tau_ref[...], t_ref[...], z_ref[...]
 
     def body(i, _):
         rows = _rows(i, c)
@@ -253,20 +292,16 @@ def _bidir_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq
         lden_ref[rows] = jnp.where(den > 0, jnp.log(jnp.maximum(den, 1e-37)) + beta, LOW)
         return 0
 
-    jax.lax.fori_loop(0, nq, body, 0)
-    tau_ref[...] = tau
-    t_ref[...] = t
-    z_ref[...] = z
+    jax.lax.fori_loop(0, _chunks(rq_ref, c), body, 0)
 
 
-def _bidir_bwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                      o_ref, g_ref, lden_ref, tau_ref, t_ref, z_ref,
-                      dxq_ref, drq_ref, dxk_ref, drk_ref, dv_ref, *, c, nq, nk):
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    tau, t, z = tau_ref[...], t_ref[...], z_ref[...]
-    f, dv = pq.shape[1], v_ref.shape[1]
+def _bidir_dq_kernel(xq_ref, rq_ref, pq_ref, cq_ref, o_ref, g_ref, lden_ref, tau_ref, t_ref, z_ref,
+                     dxq_ref, drq_ref, ug_ref, ud_ref, *, c):
+    """∂l_q of one segment's queries, and their sums U_s = Σ_i exp(l_q(i) + τ − log den_i)[g_i, −δ_i] (all
+    on the one key reference τ: the segments' sums add)."""
+    pq, cq, tau, t, z = pq_ref[...], cq_ref[...], tau_ref[...], t_ref[...], z_ref[...]
 
-    def queries(i, carry):
+    def body(i, carry):
         ug, ud = carry
         rows = _rows(i, c)
         beta, fq = _query_terms(xq_ref, rq_ref, rows, pq, cq, tau)
@@ -280,9 +315,17 @@ def _bidir_bwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq
         drq_ref[rows] = jnp.sum(dlq, axis=1)
         return ug + _dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
 
-    ug, ud = jax.lax.fori_loop(0, nq, queries, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+    init = (jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32))
+    ug, ud = jax.lax.fori_loop(0, _chunks(rq_ref, c), body, init)
+    ug_ref[...] = ug
+    ud_ref[...] = ud
 
-    def keys(i, _):
+
+def _bidir_dk_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, ug_ref, ud_ref,
+                     dxk_ref, drk_ref, dv_ref, *, c):
+    pk, ck, tau, ug, ud = pk_ref[...], ck_ref[...], tau_ref[...], ug_ref[...], ud_ref[...]
+
+    def body(i, _):
         rows = _rows(i, c)
         val = val_ref[rows] > 0
         lk = _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck)
@@ -293,41 +336,63 @@ def _bidir_bwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq
         drk_ref[rows] = jnp.sum(dlk, axis=1)
         return 0
 
-    jax.lax.fori_loop(0, nk, keys, 0)
+    jax.lax.fori_loop(0, _chunks(val_ref, c), body, 0)
 
 
 # -- calls -----------------------------------------------------------------------------------------
-# Programs: one per (batch, head, block of FEATURE_BLOCK features). The features are independent given
-# the row's normaliser, so each block runs the passes above over its own features with its own
-# stabilisers; the forward pass combines the blocks' normalised outputs by their log-denominators (a
-# log-sum-exp, below), and the backward pass reads the combined normaliser and output. Splitting the
-# features gives the GPU B·H·F/64 programs instead of B·H and keeps each program's tiles and state
-# ([64, Dv]) small enough for its shared memory.
+# Programs: one per (batch, head, block of FEATURE_BLOCK features, segment of the sequence). The features
+# are independent given the row's normaliser, so each block runs the passes above over its own features
+# with its own stabilisers; the forward pass combines the blocks' normalised outputs by their log-
+# denominators (a log-sum-exp, `_combine`), and the backward pass reads the combined normaliser and
+# output. Splitting the features keeps each program's tiles and state ([64, Dv]) small enough for its
+# shared memory.
+#
+# Segments: a program walks its segment chunk by chunk, so a call of few (batch, head) pairs at long L
+# would leave the device idle while a handful of programs walk the whole sequence. A call is split into
+# segments until it has about SEGMENT_PROGRAMS programs: one pass computes each segment's key state (τ_s,
+# T_s, z_s) in parallel, a few small XLA ops combine them into the state that enters each segment (the
+# earlier segments' for causal, all for bidirectional), and the main pass runs every segment from its
+# entering state. The backward pass does the same for the query sums U of the key gradients.
 FEATURE_BLOCK = 64
+SEGMENT_PROGRAMS = 512     # about four programs per streaming multiprocessor of an H100/H200 (132)
+MAX_SEGMENTS = 64          # bounds the [S, S] combination below
 
 
-def _spec(kind, shape, fb, bcast=(False, False)):
-    """The BlockSpec of one operand over the (batch, head, feature block) grid. kind: 'rows' [B, H, L, ...],
-    'valid' [B, L], 'proj' [Bp, Hp, D, F] and 'const' [Bp, Hp, F] (feature-sliced, broadcast dims read at 0),
-    'block' [B, H, G, ...] (one slot per feature block), 'feat' [B, H, (N,) F(, Dv)] (feature-sliced)."""
+def _segments(n, programs, want=None):
+    """How many segments n chunks are split into: the largest divisor of n up to `want` (default: enough
+    for SEGMENT_PROGRAMS programs beside `programs`), at most MAX_SEGMENTS."""
+    want = max(1, SEGMENT_PROGRAMS // programs) if want is None else want
+    return max(s for s in range(1, min(n, want, MAX_SEGMENTS) + 1) if n % s == 0)
+
+
+def _spec(kind, shape, fb, seg, bcast=(False, False)):
+    """The BlockSpec of one operand over the (batch, head, feature block, segment) grid. kind: 'rows' [B, H,
+    L, ...] and 'valid' [B, L] (the segment's rows), 'proj' [Bp, Hp, D, F] and 'const' [Bp, Hp, F] (feature-
+    sliced, broadcast dims read at 0), 'block' [B, H, G, X, ...] (the feature block's slot, X split by
+    segment), 'feat' [B, H, F] and 'feat_cols' [B, H, F, Dv] (one state for all segments), 'seg_feat' [B, H,
+    S, F] and 'seg_cols' [B, H, S, F, Dv] (the segment's state), 'chunk_feat' [B, H, N, F] (its chunks')."""
     pick = lambda b, h: (0 if bcast[0] else b, 0 if bcast[1] else h)
-    rest = len(shape)
+    zeros = lambda k: [0] * (len(shape) - k)
     if kind == "rows":
-        return pl.BlockSpec((None, None, *shape[2:]), lambda b, h, g: (b, h, *([0] * (rest - 2))))
+        return pl.BlockSpec((None, None, shape[2] // seg, *shape[3:]), lambda b, h, g, s: (b, h, s, *zeros(3)))
     if kind == "valid":
-        return pl.BlockSpec((None, shape[1]), lambda b, h, g: (b, 0))
+        return pl.BlockSpec((None, shape[1] // seg), lambda b, h, g, s: (b, s))
     if kind == "proj":
-        return pl.BlockSpec((None, None, shape[2], fb), lambda b, h, g: (*pick(b, h), 0, g))
+        return pl.BlockSpec((None, None, shape[2], fb), lambda b, h, g, s: (*pick(b, h), 0, g))
     if kind == "const":
-        return pl.BlockSpec((None, None, fb), lambda b, h, g: (*pick(b, h), g))
+        return pl.BlockSpec((None, None, fb), lambda b, h, g, s: (*pick(b, h), g))
     if kind == "block":
-        return pl.BlockSpec((None, None, None, *shape[3:]), lambda b, h, g: (b, h, g, *([0] * (rest - 3))))
-    if kind == "feat3":                                   # [B, H, F]
-        return pl.BlockSpec((None, None, fb), lambda b, h, g: (b, h, g))
-    if kind == "feat_rows":                               # [B, H, N, F]
-        return pl.BlockSpec((None, None, shape[2], fb), lambda b, h, g: (b, h, 0, g))
-    if kind == "feat_cols":                               # [B, H, F, Dv]
-        return pl.BlockSpec((None, None, fb, shape[3]), lambda b, h, g: (b, h, g, 0))
+        return pl.BlockSpec((None, None, None, shape[3] // seg, *shape[4:]), lambda b, h, g, s: (b, h, g, s, *zeros(4)))
+    if kind == "feat":
+        return pl.BlockSpec((None, None, fb), lambda b, h, g, s: (b, h, g))
+    if kind == "feat_cols":
+        return pl.BlockSpec((None, None, fb, shape[3]), lambda b, h, g, s: (b, h, g, 0))
+    if kind == "seg_feat":
+        return pl.BlockSpec((None, None, None, fb), lambda b, h, g, s: (b, h, s, g))
+    if kind == "seg_cols":
+        return pl.BlockSpec((None, None, None, fb, shape[4]), lambda b, h, g, s: (b, h, s, g, 0))
+    if kind == "chunk_feat":
+        return pl.BlockSpec((None, None, shape[2] // seg, fb), lambda b, h, g, s: (b, h, s, g))
     raise ValueError(kind)
 
 
@@ -338,29 +403,56 @@ def _compiler(interpret, num_warps):
     return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
 
 
-def _call(kernel, inputs, in_kinds, outs, fb, interpret, num_warps, precision="highest"):
-    """pallas_call over the (batch, head, feature block) grid; in_kinds [(kind, bcast)], outs
-    [(shape, dtype, kind)]; the kernel's products at `precision` (PRECISIONS)."""
-    b, h = inputs[0].shape[:2]
-    grid = (b, h, inputs[6].shape[-1] // fb if len(inputs) > 6 else inputs[4].shape[-1] // fb)
+def _call(kernel, inputs, outs, grid, fb, interpret, num_warps, precision, **static):
+    """pallas_call of kernel(**static) over grid (B, H, G, S); inputs [(array, kind)], outs [(shape, kind)]
+    (float32); the kernel's products at `precision` (PRECISIONS)."""
+    b, h = grid[:2]
+    bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
+    in_specs = [_spec(k, a.shape, fb, grid[3], bc(a) if k in ("proj", "const") else (False, False))
+                for a, k in inputs]
     _tracing_precision[0] = HIGHEST if interpret else PRECISIONS[precision]
     try:                                  # the kernel is traced inside this call, and only there
         return pl.pallas_call(
-            kernel, out_shape=[jax.ShapeDtypeStruct(s, d) for s, d, _ in outs], grid=grid,
-            in_specs=[_spec(k, a.shape, fb, bc) for a, (k, bc) in zip(inputs, in_kinds)],
-            out_specs=[_spec(k, s, fb) for s, _, k in outs],
-            interpret=interpret, **_compiler(interpret, num_warps))(*inputs)
+            functools.partial(kernel, **static), out_shape=[jax.ShapeDtypeStruct(s, F32) for s, _ in outs],
+            grid=grid, in_specs=in_specs, out_specs=[_spec(k, s, fb, grid[3]) for s, k in outs],
+            interpret=interpret, **_compiler(interpret, num_warps))(*[a for a, _ in inputs])
     finally:
         _tracing_precision[0] = HIGHEST
 
 
-def _in_kinds(ops):
-    """How each of the ten operands is blocked (and which parameter dims broadcast)."""
-    b, h = ops[0].shape[:2]
-    bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
-    pq, cq, pk, ck = ops[6:]
-    return [("rows", None)] * 5 + [("valid", None), ("proj", bc(pq)), ("const", bc(cq)), ("proj", bc(pk)),
-                                   ("const", bc(ck))]
+def _total(tau, t, z):
+    """The segments' key states (τ_s [B, H, S, F], LOW where a segment has no key; T_s, z_s on τ_s) -> the
+    state of all keys on their maximum."""
+    top = jnp.max(tau, axis=2)
+    w = jnp.exp(tau - top[:, :, None])                  # ≤ 1; a segment with no key has T_s = z_s = 0
+    return top, jnp.sum(w[..., None] * t, axis=2), jnp.sum(w * z, axis=2)
+
+
+def _before(s, later=False):
+    """[S, S', 1]: whether segment s' comes before segment s (after it, with later=True)."""
+    i = jnp.arange(s)
+    return ((i[None, :] > i[:, None]) if later else (i[None, :] < i[:, None]))[:, :, None]
+
+
+def _prefix(tau, t, z):
+    """The state entering each segment: the earlier segments' keys on their running maximum (LOW and zeros
+    before the first key). A segment's weight for its own and later segments is exactly 0, so no later
+    key changes what enters an earlier segment, bit for bit."""
+    before = _before(tau.shape[2])
+    top = jnp.max(jnp.where(before, tau[:, :, None], LOW), axis=3)                       # [B, H, S, F]
+    w = jnp.where(before, jnp.exp(jnp.minimum(tau[:, :, None] - top[:, :, :, None], 0.0)), 0.0)
+    return (top, jnp.einsum("bhstf,bhtfd->bhsfd", w, t, precision=HIGHEST),
+            jnp.einsum("bhstf,bhtf->bhsf", w, z, precision=HIGHEST))
+
+
+def _suffix(first, nxt, ug, ud):
+    """The query sums entering each segment's key sweep: Σ over later segments s' of U_s' (on its first
+    chunk's reference R_s') moved to the next segment's first reference R_{s+1} (≤ R_s' once a key was
+    seen; before that no valid key reads them)."""
+    later = _before(first.shape[2], later=True)
+    w = jnp.where(later, jnp.exp(jnp.minimum(nxt[:, :, :, None] - first[:, :, None], 0.0)), 0.0)
+    return (jnp.einsum("bhstf,bhtfd->bhsfd", w, ug, precision=HIGHEST),
+            jnp.einsum("bhstf,bhtf->bhsf", w, ud, precision=HIGHEST))
 
 
 def _combine(o, lden):
@@ -373,58 +465,90 @@ def _combine(o, lden):
     return out, jnp.where(den > 0, top[:, :, 0] + jnp.log(jnp.where(den > 0, den, 1.0)), LOW)
 
 
-def _forward(ops, causal, c, fb, interpret, num_warps, precision):
+def _state_outs(b, h, s, f, dv):
+    return [((b, h, s, f), "seg_feat"), ((b, h, s, f, dv), "seg_cols"), ((b, h, s, f), "seg_feat")]
+
+
+def _key_inputs(xk, rk, v, val, pk, ck):
+    return [(xk, "rows"), (rk, "rows"), (v, "rows"), (val, "valid"), (pk, "proj"), (ck, "const")]
+
+
+def _forward(ops, causal, c, fb, segs, interpret, num_warps, precision):
     """(out [B, H, Lq, Dv], log-denominator [B, H, Lq], what the backward pass reads, largest a_j [B, H])."""
     xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
     b, h, lq, _ = xq.shape
     lk, dv, f = xk.shape[2], v.shape[-1], pq.shape[-1]
     g = f // fb
-    block = [((b, h, g, lq, dv), F32, "block"), ((b, h, g, lq), F32, "block")]
+    call = functools.partial(_call, fb=fb, interpret=interpret, num_warps=num_warps, precision=precision, c=c)
+    sq, sk = segs
+    if sk > 1 or not causal:
+        states = call(_key_state_kernel, _key_inputs(xk, rk, v, val, pk, ck), _state_outs(b, h, sk, f, dv),
+                      (b, h, g, sk))
+    rows = [((b, h, g, lq, dv), "block"), ((b, h, g, lq), "block")]
     if causal:
+        if sk > 1:
+            tin, sin, zin = _prefix(*states)
+        else:
+            tin, sin, zin = jnp.full((b, h, 1, f), LOW, F32), jnp.zeros((b, h, 1, f, dv), F32), jnp.zeros((b, h, 1, f), F32)
         n = lk // c
-        kernel = functools.partial(_causal_fwd_kernel, c=c, n=n)
-        outs = block + [((b, h, n, f), F32, "feat_rows"), ((b, h, g, c), F32, "block")]
-    else:
-        kernel = functools.partial(_bidir_fwd_kernel, c=c, nq=lq // c, nk=lk // c)
-        outs = block + [((b, h, f), F32, "feat3"), ((b, h, f, dv), F32, "feat_cols"), ((b, h, f), F32, "feat3")]
-    res = _call(kernel, ops, _in_kinds(ops), outs, fb, interpret, num_warps, precision)
-    out, lden = _combine(res[0], res[1])
-    if causal:
-        return out, lden, (res[2],), jnp.max(res[3], axis=(2, 3))
-    return out, lden, (res[2], res[3], res[4]), jnp.full((b, h), LOW, F32)
+        inputs = [(xq, "rows"), (rq, "rows"), *_key_inputs(xk, rk, v, val, pk, ck)[:4], (pq, "proj"),
+                  (cq, "const"), (pk, "proj"), (ck, "const"), (tin, "seg_feat"), (sin, "seg_cols"), (zin, "seg_feat")]
+        outs = rows + [((b, h, n, f), "chunk_feat"), ((b, h, g, sk * c), "block")]
+        o, lden, taus, amax = call(_causal_fwd_kernel, inputs, outs, (b, h, g, sk))
+        out, lden = _combine(o, lden)
+        return out, lden, (taus, sin, zin), jnp.max(amax, axis=(2, 3))
+    tau, t, z = _total(*states)
+    inputs = [(xq, "rows"), (rq, "rows"), (pq, "proj"), (cq, "const"), (tau, "feat"), (t, "feat_cols"), (z, "feat")]
+    out, lden = _combine(*call(_bidir_fwd_kernel, inputs, rows, (b, h, g, sq)))
+    return out, lden, (tau, t, z), jnp.full((b, h), LOW, F32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15))
-def _core(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, interpret, num_warps, precision):
-    out, _, _, amax = _forward((xq, rq, xk, rk, v, val, pq, cq, pk, ck), causal, c, fb, interpret, num_warps,
-                               precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15, 16))
+def _core(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, num_warps, precision):
+    out, _, _, amax = _forward((xq, rq, xk, rk, v, val, pq, cq, pk, ck), causal, c, fb, segs, interpret,
+                               num_warps, precision)
     return out, amax
 
 
-def _core_fwd(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, interpret, num_warps, precision):
+def _core_fwd(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, num_warps, precision):
     ops = (xq, rq, xk, rk, v, val, pq, cq, pk, ck)
-    out, lden, saved, amax = _forward(ops, causal, c, fb, interpret, num_warps, precision)
+    out, lden, saved, amax = _forward(ops, causal, c, fb, segs, interpret, num_warps, precision)
     return (out, amax), (ops, out, lden, saved)
 
 
-def _core_bwd(causal, c, fb, interpret, num_warps, precision, residuals, cotangents):
+def _core_bwd(causal, c, fb, segs, interpret, num_warps, precision, residuals, cotangents):
     ops, out, lden, saved = residuals
     g = cotangents[0].astype(F32)
     xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
     b, h, lq, dq = xq.shape
     lk, dk, dv, f = xk.shape[2], xk.shape[3], v.shape[-1], pq.shape[-1]
     nb = f // fb
-    outs = [((b, h, nb, lq, dq), F32, "block"), ((b, h, nb, lq), F32, "block"), ((b, h, nb, lk, dk), F32, "block"),
-            ((b, h, nb, lk), F32, "block"), ((b, h, nb, lk, dv), F32, "block")]
-    kinds = _in_kinds(ops) + [("rows", None)] * 3
+    sq, sk = segs
+    call = functools.partial(_call, fb=fb, interpret=interpret, num_warps=num_warps, precision=precision, c=c)
+    q_outs = [((b, h, nb, lq, dq), "block"), ((b, h, nb, lq), "block")]
+    k_outs = [((b, h, nb, lk, dk), "block"), ((b, h, nb, lk), "block"), ((b, h, nb, lk, dv), "block")]
     if causal:
-        kernel = functools.partial(_causal_bwd_kernel, c=c, n=lk // c)
-        kinds += [("feat_rows", None)]
+        taus, sin, zin = saved
+        common = [(xq, "rows"), (rq, "rows"), *_key_inputs(xk, rk, v, val, pk, ck)[:4], (pq, "proj"),
+                  (cq, "const"), (pk, "proj"), (ck, "const"), (out, "rows"), (g, "rows"), (lden, "rows"),
+                  (taus, "chunk_feat")]
+        grid = (b, h, nb, sk)
+        dxq, drq, ug, ud = call(_causal_dq_kernel, common + [(sin, "seg_cols"), (zin, "seg_feat")],
+                                q_outs + _state_outs(b, h, sk, f, dv)[1:], grid)
+        first = taus[:, :, ::taus.shape[2] // sk]
+        nxt = jnp.concatenate([first[:, :, 1:], taus[:, :, -1:]], axis=2)
+        ugin, udin = _suffix(first, nxt, ug, ud)
+        dxk, drk, dvv = call(_causal_dk_kernel, common + [(ugin, "seg_cols"), (udin, "seg_feat"), (nxt, "seg_feat")],
+                             k_outs, grid)
     else:
-        kernel = functools.partial(_bidir_bwd_kernel, c=c, nq=lq // c, nk=lk // c)
-        kinds += [("feat3", None), ("feat_cols", None), ("feat3", None)]
-    parts = _call(kernel, (*ops, out, g, lden, *saved), kinds, outs, fb, interpret, num_warps, precision)
-    dxq, drq, dxk, drk, dvv = (jnp.sum(p, axis=2) for p in parts)         # the feature blocks' shares
+        tau, t, z = saved
+        inputs = [(xq, "rows"), (rq, "rows"), (pq, "proj"), (cq, "const"), (out, "rows"), (g, "rows"),
+                  (lden, "rows"), (tau, "feat"), (t, "feat_cols"), (z, "feat")]
+        dxq, drq, ug, ud = call(_bidir_dq_kernel, inputs, q_outs + _state_outs(b, h, sq, f, dv)[1:], (b, h, nb, sq))
+        inputs = _key_inputs(xk, rk, v, val, pk, ck) + [(tau, "feat"), (jnp.sum(ug, axis=2), "feat_cols"),
+                                                        (jnp.sum(ud, axis=2), "feat")]
+        dxk, drk, dvv = call(_bidir_dk_kernel, inputs, k_outs, (b, h, nb, sk))
+    dxq, drq, dxk, drk, dvv = (jnp.sum(p, axis=2) for p in (dxq, drq, dxk, drk, dvv))   # the feature blocks' shares
     zero = lambda a: jnp.zeros_like(a)
     return (dxq.astype(xq.dtype), drq, dxk.astype(xk.dtype), drk, dvv.astype(v.dtype), zero(val),
             zero(pq), zero(cq), zero(pk), zero(ck))
@@ -483,15 +607,17 @@ PAD_FEATURE = -1e4
 
 
 def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CHUNK, interpret=None,
-           num_warps=4, precision=None):
+           num_warps=4, precision=None, segments=None):
     """Linear attention over log φ_q = xq·pq + cq + rq and log φ_k = xk·pk + ck + rk with the fused
     kernels: xq [B, H, Lq, D], rq [B, H, Lq], xk, rk likewise over Lk, pq/pk [.., D, F] and cq/ck [.., F]
     with leading (batch, head) dims broadcast from the right, v [B, H, Lk, Dv], valid [B, Lk] or None.
     Returns (out [B, H, Lq, Dv] float32, exceeded [B, H] bool): where `exceeded`, a causal key exceeded
     its chunk's reference by more than EXCEEDANCE and the caller must use an exact path. Causal needs
     Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU.
-    `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION)."""
-    lq, lk, dv = xq.shape[2], xk.shape[2], v.shape[-1]
+    `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION). `segments`: the
+    most segments a sequence is split into (None: enough for SEGMENT_PROGRAMS programs)."""
+    b, h, lq, _ = xq.shape
+    lk, dv = xk.shape[2], v.shape[-1]
     if causal and lq != lk:
         raise ValueError(f"the fused causal kernel needs Lq = Lk; got {lq} and {lk}")
     if interpret is None:
@@ -510,22 +636,20 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CH
     precision = precision or PRECISION
     if precision not in PRECISIONS:
         raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-    out, amax = _core(*ops, causal, c, min(FEATURE_BLOCK, fp), bool(interpret), num_warps, precision)
+    fb = min(FEATURE_BLOCK, fp)
+    programs = b * h * (fp // fb)
+    sk = _segments(lkp // c, programs, segments)
+    segs = (sk, sk) if causal else (_segments(lqp // c, programs, segments), sk)
+    out, amax = _core(*ops, causal, c, fb, segs, bool(interpret), num_warps, precision)
     return out[:, :, :lq, :dv], amax > EXCEEDANCE
 
 
-def _prefill_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, t_ref, z_ref, *, c, n):
-    tau, t, z = _key_state(xk_ref, rk_ref, v_ref, val_ref, pk_ref[...], ck_ref[...], c, n)
-    tau_ref[...] = tau
-    t_ref[...] = t
-    z_ref[...] = z
-
-
-def prefill(xk, rk, pk, ck, v, valid=None, chunk=CHUNK, interpret=None, num_warps=4):
+def prefill(xk, rk, pk, ck, v, valid=None, chunk=CHUNK, interpret=None, num_warps=4, segments=None,
+            precision=None):
     """The decoding state after keys log φ_k = xk·pk + ck + rk and values v (shapes as in `attend`),
-    computed by the bidirectional pass's key kernel: (τ [B, H, F], the per-feature key maximum, −inf
-    where no valid key; Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), linear.decode_prefill's
-    "tau" and "sum". Not differentiable (a prompt's prefill)."""
+    computed by the key-state kernel: (τ [B, H, F], the per-feature key maximum, −inf where no valid key;
+    Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), linear.decode_prefill's "tau" and "sum". Not
+    differentiable (a prompt's prefill)."""
     b, h, lk, _ = xk.shape
     dv, f = v.shape[-1], pk.shape[-1]
     if interpret is None:
@@ -536,12 +660,10 @@ def prefill(xk, rk, pk, ck, v, valid=None, chunk=CHUNK, interpret=None, num_warp
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lkp, fp)
     v, valid = _padded_values(v, valid, lkp)
     ops = tuple(jax.lax.stop_gradient(a) for a in (xk, rk, v, valid, pk, ck))
-    dvp = v.shape[-1]
-    bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
     fb = min(FEATURE_BLOCK, fp)
-    outs = [((b, h, fp), F32, "feat3"), ((b, h, fp, dvp), F32, "feat_cols"), ((b, h, fp), F32, "feat3")]
-    kinds = [("rows", None)] * 3 + [("valid", None), ("proj", bc(ops[4])), ("const", bc(ops[5]))]
-    tau, t, z = _call(functools.partial(_prefill_kernel, c=c, n=lkp // c), ops, kinds, outs, fb, bool(interpret),
-                      num_warps)
+    seg = _segments(lkp // c, b * h * (fp // fb), segments)
+    states = _call(_key_state_kernel, _key_inputs(*ops), _state_outs(b, h, seg, fp, v.shape[-1]),
+                   (b, h, fp // fb, seg), fb, bool(interpret), num_warps, precision or PRECISION, c=c)
+    tau, t, z = _total(*states)
     tau, t, z = tau[..., :f], t[..., :f, :dv], z[..., :f]
     return jnp.where(tau > 0.5 * LOW, tau, -jnp.inf), jnp.concatenate([t, z[..., None]], -1)

@@ -303,11 +303,15 @@ class EluAttention(ElementwiseAttention):
 
 
 # How a random-feature kind runs: "xla" (favor.attention.linear), "pallas" (favor.attention.fused), or
-# "auto": the fused kernel on the backends listed here, where it was measured faster than XLA
-# (BENCHMARKS.md), XLA elsewhere and for the kinds and options the kernel does not cover.
-IMPLS = ("auto", "xla", "pallas")
+# "auto": the fused kernel where it was measured faster than XLA, XLA elsewhere and for the kinds and
+# options the kernel does not cover. AUTO_FUSED: backend -> {mode: the shortest key length measured
+# faster}. On an H200 (BENCHMARKS.md accel-nvidia-h200-segments) the kernel's bidirectional forward+
+# backward beat XLA's from L = 4096 to 128K (and matched it at 1024); its causal forward+backward was
+# slower than XLA's at every length (the backward sweeps), so causal calls stay on XLA.
+# "pallas-<precision>" runs the kernel's products at one of fused.PRECISIONS ("pallas": fused.PRECISION)
+IMPLS = ("auto", "xla", "pallas", *(f"pallas-{p}" for p in fused.PRECISIONS))
 SOFTMAX_IMPLS = ("auto", "xla", "cudnn")
-AUTO_BACKENDS = ()
+AUTO_FUSED = {"gpu": {"bidirectional": 4096}}
 
 
 @pytree_dataclass
@@ -334,7 +338,8 @@ class RandomFeatureAttention(FeatureAttention):
     HRF the largest m whose hybrid features fit in F (`draws_for_width`; `num_draws` holds it).
 
     `impl`: "xla" (favor.attention.linear), "pallas" (the fused kernel, favor.attention.fused: the positive
-    exponential kinds, no window) or "auto" (the kernel on AUTO_BACKENDS, XLA elsewhere).
+    exponential kinds, no window; "pallas-<precision>" with its products at one of fused.PRECISIONS) or
+    "auto" (the kernel where AUTO_FUSED lists it, XLA elsewhere).
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
@@ -364,8 +369,9 @@ class RandomFeatureAttention(FeatureAttention):
         self.num_draws = self.mech.draws_for_width(self.num_features)
         self._fixed_draws = {}                      # head dim -> the seed's base draw (`fixed_draw`)
         self.impl = _choice(self.name, "impl", options.get("impl", "auto"), IMPLS)
-        if self.impl == "pallas" and self.fused_unavailable():
-            raise ValueError(f"{self.name}: impl='pallas' {self.fused_unavailable()}; "
+        self.kernel_precision = self.impl.partition("-")[2] or None     # None: fused.PRECISION when traced
+        if self.impl.startswith("pallas") and self.fused_unavailable():
+            raise ValueError(f"{self.name}: impl={self.impl!r} {self.fused_unavailable()}; "
                              "impl='auto' or 'xla' runs it on XLA")
 
     def feature_dim(self, dim):
@@ -477,11 +483,15 @@ class RandomFeatureAttention(FeatureAttention):
         return None
 
     def uses_fused(self, causal, q, k):
-        """Whether a call runs the fused kernel: impl='pallas', or 'auto' on a backend in AUTO_BACKENDS,
-        for a kind it covers; causal calls with Lq ≠ Lk (decoding after a prefix) stay on XLA."""
-        if self.impl == "xla" or (self.impl == "auto" and (jax.default_backend() not in AUTO_BACKENDS
-                                                           or self.fused_unavailable())):
+        """Whether a call runs the fused kernel: impl='pallas', or 'auto' where AUTO_FUSED lists the
+        backend, the mode and a key length up to this call's, for a kind it covers; causal calls with
+        Lq ≠ Lk (decoding after a prefix) stay on XLA."""
+        if self.impl == "xla":
             return False
+        if self.impl == "auto":
+            least = AUTO_FUSED.get(jax.default_backend(), {}).get("causal" if causal else "bidirectional")
+            if least is None or k.shape[1] < least or self.fused_unavailable():
+                return False
         if jax.default_backend() not in fused.BACKENDS:
             raise ValueError(f"{self.name}: impl='pallas' runs on {' and '.join(fused.BACKENDS)} (the kernel "
                              f"lowers through Triton, and interpret mode on CPU), not on "
@@ -493,7 +503,8 @@ class RandomFeatureAttention(FeatureAttention):
         xq, rq, pq, cq = self.mech.query_log_linear(x, ctx.draw, ctx.params)
         xk, rk, pk, ck = self.mech.key_log_linear(y, ctx.draw, ctx.params)
         vv = _to_bhld(v)
-        out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal)
+        out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal,
+                                     precision=self.kernel_precision)
         if causal:
             # a key beyond its chunk's reference by more than the chunk form allows: the exact XLA pass
             exact = lambda: linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, True,
@@ -554,7 +565,8 @@ class RandomFeatureAttention(FeatureAttention):
     def decode_prefill(self, k, v, ctx=None, valid=None):
         if k.shape[1] and self.uses_fused(False, k, k):
             _, y = self.scaled(k, k)
-            tau, total = fused.prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid)
+            tau, total = fused.prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid,
+                                       precision=self.kernel_precision)
             return {"tau": tau, "sum": total}
         if not self.window or k.shape[1] == 0:
             return super().decode_prefill(k, v, ctx, valid)

@@ -52,7 +52,6 @@ def entries(kind_specs, precisions=(fused.PRECISION,)):
 
 def layer(spec, impl, dtype, causal, grad, q, k, mask=None):
     """fn(q, k, v, rng) of one entry: the layer's output, or d/d(q, k, v) of its sum (float32)."""
-    impl, _, precision = (impl or "").partition("-")
     if spec == "softmax":
         which = _softmax_impl(dtype)
         out = lambda q, k, v, rng: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=which)
@@ -63,13 +62,7 @@ def layer(spec, impl, dtype, causal, grad, q, k, mask=None):
             opts = {"num_features": F, "redraw": "step", "impl": impl, **opts}
         attn = attention.get(kind, **opts)
         stats = attn.statistics(q, k) if causal and getattr(attn, "data_dependent", False) else None
-
-        def out(q, k, v, rng):
-            default, fused.PRECISION = fused.PRECISION, precision or fused.PRECISION
-            try:                                        # read while the kernel call is traced
-                return attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)
-            finally:
-                fused.PRECISION = default
+        out = lambda q, k, v, rng: attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)
     if not grad:
         return out
     return lambda q, k, v, rng: jax.grad(lambda *a: jnp.sum(out(*a, rng).astype(jnp.float32)), (0, 1, 2))(q, k, v)
@@ -262,8 +255,6 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
         for name, spec, impl in entries(kind_specs, precisions):
             kind, opts = attention.parse_spec(spec)
             block = {"kind": kind, **opts}
-            impl, _, precision = (impl or "").partition("-")
-            default, fused.PRECISION = fused.PRECISION, precision or fused.PRECISION   # read when traced
             if kind != "softmax":
                 block.update(num_features=F, impl=impl)
             else:
@@ -287,8 +278,6 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
                 programs[name] = state
             except Exception as e:                                 # noqa: BLE001 — reported, not hidden
                 programs[name] = _error(e)
-            finally:
-                fused.PRECISION = default
         for name, compiled in compile_all(lowered).items():
             try:
                 if isinstance(compiled, Exception):
