@@ -95,7 +95,11 @@ def run_config(*, total_steps: int, batch_size: int, eval_batch_size: int, every
     c.prefetch = 2                     # host batches read ahead on a thread (0: read in the loop)
     # a run that starts from another model's parameters (model.init_from) may first train the model
     # around its attention to imitate that model's softmax attention (favor.uptrain.transfer)
-    c.uptrain = {"transfer_steps": 0, "trainable": "query_key", "lr": 1e-3}
+    # trainable="lora": rank-`lora_rank` adapters scaled by lora_alpha / lora_rank on the projections
+    # `lora_targets` selects (favor.models.lora; LoLCATs: rank 8 on q, k, v, o), trained in the transfer
+    # stage and the training after it with `lora_also` (a regular expression: new task heads), the rest frozen
+    c.uptrain = {"transfer_steps": 0, "trainable": "query_key", "lr": 1e-3, "lora_rank": 8, "lora_alpha": 16.0,
+                 "lora_targets": models.lora.DEFAULT_TARGETS, "lora_also": ""}
     return c
 
 
@@ -386,8 +390,20 @@ def _validate_uptrain(config) -> None:
     try:
         re.compile(str(pattern))
     except re.error as e:
-        raise ConfigError("uptrain.trainable", pattern, f"must be 'query_key', 'all' or a regular expression over "
-                                                       f"parameter paths ({e})") from None
+        raise ConfigError("uptrain.trainable", pattern, f"must be 'query_key', 'all', 'lora' or a regular "
+                                                       f"expression over parameter paths ({e})") from None
+    if pattern != "lora":
+        return
+    if not config.model.get("init_from"):
+        raise ConfigError("uptrain.trainable", pattern, "needs model.init_from: LoRA freezes the weights the run "
+                                                       "starts from, and a model from scratch has none worth keeping")
+    _int(config, "uptrain.lora_rank", 1)
+    _number(config, "uptrain.lora_alpha", lambda v: v > 0, "a positive number")
+    for key in ("uptrain.lora_targets", "uptrain.lora_also"):
+        try:
+            re.compile(str(get(config, key)))
+        except re.error as e:
+            raise ConfigError(key, get(config, key), f"must be a regular expression over dotted paths ({e})") from None
 
 
 def _fails(attention_lib, kind, key, value) -> bool:

@@ -36,6 +36,7 @@ from favor.train.steps import (eval_step, evaluate, evaluate_stage, init_state, 
 log = logging.getLogger("favor.train")
 
 FEATURES_STREAM = 0x0F0F        # ω's rng stream, apart from the params and dropout ones
+LORA_STREAM = 0x10AA            # LoRA adapters' A matrices: the base model's init draws stay the seed's
 EVAL_FEATURES_STREAM = 0xE7A1   # the one ω every evaluation of a run uses
 
 
@@ -58,14 +59,29 @@ def model_builder(config):
                     "--config.model.attention.qk_norm=l2", kind)
     full = models.config(name, preset, **m)          # validates every key before anything is built
     seed = int(config.seed)
+    up = config.get("uptrain", {})
+    lora_on = up.get("trainable") == "lora"
 
     def build(keys=None):
         """keys: {"params", "dropout", "features"} -> typed PRNG keys, default those of config.seed. Passed
         in (rather than made here) when building under jit, so the seed is an argument of the program
-        and not a constant in it."""
+        and not a constant in it. A LoRA run's model carries its adapters (favor.models.lora)."""
         keys = model_keys(seed) if keys is None else keys
-        return models.get(name, preset, rngs=nnx.Rngs(**keys), **m)
+        model = models.get(name, preset, rngs=nnx.Rngs(**keys), **m)
+        if lora_on:
+            models.lora.add(model, int(up.lora_rank), float(up.lora_alpha), str(up.lora_targets),
+                            rngs=nnx.Rngs(params=jax.random.fold_in(keys["params"], LORA_STREAM)))
+        return model
     return build, full
+
+
+def trainable(config, abstract_params):
+    """What the main training trains: a bool per parameter for a LoRA run (its adapters and
+    uptrain.lora_also), None (everything) otherwise."""
+    up = config.get("uptrain", {})
+    if up.get("trainable") != "lora":
+        return None
+    return uptrain.trainable_mask(abstract_params, "lora", str(up.get("lora_also", "")))
 
 
 def model_keys(seed: int) -> dict:
@@ -110,6 +126,7 @@ class ModelPlan:
     tx: optax.GradientTransformation
     lr_schedule: Callable          # of the run's step (the main training starts after the stages)
     stages: tuple = ()             # favor.train.stage.Stage, run in order before the main training
+    trainable: Any = None          # a bool per parameter: what the main training trains (None: all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +169,13 @@ def make_model(config, source) -> ModelPlan:
     main_start = stage_lib.main_start(stages)
     tx, schedule_ = optim.make(config.optim, max(int(config.total_steps) - main_start, 1), params=abs_params,
                                num_layers=model_cfg["num_layers"])
+    mask = trainable(config, abs_params)
+    if mask is not None:                 # frozen parameters: no update and no optimizer state
+        tx = uptrain.transfer.masked(tx, mask)
     lr_schedule = schedule_ if not main_start else (lambda step: schedule_(jnp.maximum(step - main_start, 0)))
     init = lambda keys: init_state(build(keys), tx, stages)
     abstract = jax.eval_shape(init, model_keys(int(config.seed)))
-    return ModelPlan(graphdef, init, abstract, models.logical_axes(abstract_model), tx, lr_schedule, stages)
+    return ModelPlan(graphdef, init, abstract, models.logical_axes(abstract_model), tx, lr_schedule, stages, mask)
 
 
 def initial_state(config, model: ModelPlan, layout: Layout) -> dict:
@@ -178,14 +198,13 @@ def make_stages(config, abstract_params) -> tuple:
 def make_layout(model: ModelPlan, mesh, rules, source) -> Layout:
     param_sh = sharding.param_shardings(model.abstract["params"], model.logical, mesh, dict(rules))
     rep = sharding.replicated(mesh)
-    opt_sh = optax.tree_map_params(model.tx, lambda _, s: s, model.abstract["opt_state"], param_sh,
-                                   transform_non_params=lambda _: rep)
+    opt_sh = sharding.like_params(model.abstract["opt_state"], model.abstract["params"], param_sh, rep)
     state_sh = {"step": rep, "params": param_sh, "rest": jax.tree.map(lambda _: rep, model.abstract["rest"]),
                 "opt_state": opt_sh, "bad_step": rep}
     for stage in model.stages:
         state_sh.update({k: param_sh for k in stage.entry_keys})
-        state_sh[stage.opt_key] = optax.tree_map_params(stage.tx, lambda _, s: s, model.abstract[stage.opt_key],
-                                                        param_sh, transform_non_params=lambda _: rep)
+        state_sh[stage.opt_key] = sharding.like_params(model.abstract[stage.opt_key], model.abstract["params"],
+                                                       param_sh, rep)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract, state_sh)
     return Layout(mesh, state_sh, abstract, bool(getattr(source, "host_dependent_shapes", False)))
 
@@ -214,7 +233,8 @@ def _with_features_base(step, config, layout: Layout) -> KeyedStep:
 
 def make_train_step(config, model: ModelPlan, task, layout: Layout):
     step = partial(train_step, graphdef=model.graphdef, task=task, tx=model.tx, lr_schedule=model.lr_schedule,
-                   redraw=redraw_schedule(config), accumulate=int(config.optim.accumulate_steps))
+                   redraw=redraw_schedule(config), accumulate=int(config.optim.accumulate_steps),
+                   trainable=model.trainable)
     return _with_features_base(step, config, layout)
 
 
@@ -316,7 +336,7 @@ def run(config, workdir) -> Summary:
     return train_loop(config, workdir, state, start, step_fn=step_fn, evaluate_fn=evaluate_fn, ckpt=ckpt,
                       source=source, layout=layout, t_start=t_start,
                       stages=make_stage_runs(config, model, task, source, layout),
-                      eval_first=bool(config.model.get("init_from")))
+                      eval_first=bool(config.model.get("init_from")), trainable=model.trainable)
 
 
 def _is_fit_statistics(path) -> bool:

@@ -75,6 +75,23 @@ def param_shardings(abstract_params, logical_tree, mesh, rules):
                               for a, p in zip(flat_axes, flat)])
 
 
+def like_params(tree, abstract_params, param_shardings, default):
+    """Shardings for an optimizer state: a leaf whose key path ends with a parameter's path and has its
+    shape takes that parameter's sharding (Adam's moments, however deeply optax.multi_transform or
+    masked nest them, MaskedNode standing where a parameter is frozen), every other leaf `default`."""
+    flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
+    by_path = {tuple(p): (tuple(a.shape), s) for (p, a), (_, s) in zip(flat(abstract_params), flat(param_shardings))}
+    lengths = sorted({len(p) for p in by_path}, reverse=True)
+
+    def pick(path, leaf):
+        for n in lengths:
+            found = by_path.get(tuple(path[-n:])) if len(path) >= n else None
+            if found is not None and found[0] == tuple(getattr(leaf, "shape", ())):
+                return found[1]
+        return default
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
 def replicated(mesh):
     return NamedSharding(mesh, P())
 

@@ -223,3 +223,19 @@ def test_bench_accel_checks_times_and_writes(tmp_path, monkeypatch):
     assert png.stat().st_size > 0
     with pytest.raises(SystemExit):
         cli.main(["accel", "--kernel-precisions", "fp8"])
+
+
+def test_bench_lora_counts_optimizer_memory_from_shapes(tmp_path):
+    """The tiny decoder (2 layers, hidden 64): LoRA at rank 2 trains 2 × 4 × 2 · (64 + 64) parameters and
+    holds AdamW's two float32 moments for them alone (plus its scalar step counts); full fine-tuning
+    holds them for every parameter."""
+    cli.main(["lora", "--presets", "tiny", "--ranks", "2", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "bench" / "lora-memory.json").read_text())["rows"][0]
+    from favor import models
+    cfg = models.config("decoder", "tiny")
+    assert (cfg["num_layers"], cfg["hidden"]) == (2, 64)
+    trained = 2 * 4 * 2 * (64 + 64)
+    assert row["lora"]["2"]["trainable"] == trained
+    assert 8 * trained <= row["lora"]["2"]["optimizer_bytes"] <= 8 * trained + 64
+    assert 8 * row["params"] <= row["full"] <= 8 * row["params"] + 64
+    assert "| tiny |" in (tmp_path / "BENCHMARKS.md").read_text()

@@ -383,11 +383,11 @@ def test_padded_features_never_set_a_keys_scale():
     np.testing.assert_allclose(np.asarray(out)[0, 0, :, 0], np.arange(l) / 2.0, rtol=1e-6)   # mean of v_0..v_i
 
 
-def _log_linear_case(seed, b=1, h=2, l=60, d=4, f=24, dv=3, growth=3.0):
-    """Random log-linear maps (log φ = x·P + c + r, r = −½||x||² as FAVOR+'s) over L = 60 in chunks of 8
-    (8 chunks, the last part padding), the key norms growing along the sequence so that the reference
-    moves from segment to segment; a leading run of 20 padded keys (the first segments see no key), one
-    in the middle."""
+def _log_linear_case(seed, b=1, h=2, l=120, d=4, f=24, dv=3, growth=3.0):
+    """Random log-linear maps (log φ = x·P + c + r, r = −½||x||² as FAVOR+'s) over L = 120 in chunks of
+    16 (the kernel's smallest: 8 chunks, the last part padding), the key norms growing along the sequence
+    so that the reference moves from segment to segment; a leading run of 40 padded keys (with segments
+    of one or two chunks the first segments see no key at all), one padded key in the middle."""
     rng = np.random.default_rng(seed)
     scale = np.linspace(0.3, growth, l)[None, None, :, None]
     xq, xk = (rng.standard_normal((b, h, l, d)) * scale for _ in range(2))
@@ -395,8 +395,8 @@ def _log_linear_case(seed, b=1, h=2, l=60, d=4, f=24, dv=3, growth=3.0):
     c = rng.standard_normal((h, f)) * 0.3
     v = rng.standard_normal((b, h, l, dv))
     mask = np.ones((b, l), bool)
-    mask[:, :20] = False
-    mask[:, 33] = False
+    mask[:, :40] = False
+    mask[:, 77] = False
     rq, rk = -0.5 * np.sum(xq ** 2, -1), -0.5 * np.sum(xk ** 2, -1)
     return xq, rq, p, c, xk, rk, p, c, v, mask
 
@@ -416,19 +416,23 @@ def _attend64(xq, rq, pq, cq, xk, rk, pk, ck, v, mask, causal):
     return np.where(den > 0, (wts @ v) / np.where(den > 0, den, 1.0), 0.0)
 
 
+CHUNK16 = 16        # the kernel's smallest chunk (fused._pow2's floor)
+
+
 def _attend32(args, causal, segments):
     xq, rq, pq, cq, xk, rk, pk, ck, v, mask = args
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     return fused.attend(f32(xq), f32(rq), f32(pq), f32(cq), f32(xk), f32(rk), f32(pk), f32(ck), f32(v),
-                        jnp.asarray(mask), causal, chunk=8, segments=segments)
+                        jnp.asarray(mask), causal, chunk=CHUNK16, segments=segments)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_segments_equal_the_float64_reference_and_each_other(causal):
-    """One segment, segments of several chunks and of one chunk (S = 1, 2, 4, 8 over 8 chunks; the
+    """One segment, segments of several chunks and of one chunk (S = 1, 2, 4, 8 over 8 chunks of 16; the
     first segments see only padded keys): the float64 reference's outputs, and gradients equal to the
     one-segment pass's (the carried state and the query sums entering each segment are the sequential
     pass's, up to float32 rounding)."""
+    assert [fused._segments(8, 1, s) for s in (1, 2, 4, 8)] == [1, 2, 4, 8]
     args = _log_linear_case(20)
     want = _attend64(*args, causal)
     w = jnp.asarray(np.random.default_rng(21).standard_normal(want.shape), jnp.float32)
@@ -454,10 +458,10 @@ def test_segments_equal_the_float64_reference_and_each_other(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_segment_gradients_equal_float64_finite_differences(causal):
-    """Four segments of two chunks: d/d(x_q, x_k, r_k, v) of Σ w·out against central differences of the
-    float64 reference (ε = 1e-6, random directions); d/dr_q, 0 in exact arithmetic (a row's constant
-    cancels in its ratio), is rounding beside the others."""
-    args = _log_linear_case(22, l=40, growth=2.0)
+    """Four segments of two chunks (L = 120): d/d(x_q, x_k, r_k, v) of Σ w·out against central
+    differences of the float64 reference (ε = 1e-6, random directions); d/dr_q, 0 in exact arithmetic (a
+    row's constant cancels in its ratio), is rounding beside the others."""
+    args = _log_linear_case(22, growth=2.0)
     w = np.random.default_rng(23).standard_normal(_attend64(*args, causal).shape)
     loss32 = lambda xq, rq, xk, rk, v: jnp.sum(jnp.asarray(w, jnp.float32) * _attend32(
         (xq, rq, args[2], args[3], xk, rk, args[6], args[7], v, args[9]), causal, 4)[0])
@@ -475,8 +479,9 @@ def test_segment_gradients_equal_float64_finite_differences(causal):
 
 
 def test_segments_keep_the_future_from_the_past_bit_for_bit():
-    """Four segments of two chunks: tokens from t on replaced (t inside a chunk, at a chunk's start, at a
-    segment's start): outputs before t and the gradients reaching the inputs before t, bit for bit."""
+    """Four segments of two chunks of 16: tokens from t on replaced (t inside a chunk, at a chunk's start
+    inside a segment, at a segment's start, in the padded run and after it): outputs before t and the
+    gradients reaching the inputs before t, bit for bit."""
     args = _log_linear_case(25)
     other = _log_linear_case(26)
     l = args[0].shape[2]
@@ -488,7 +493,7 @@ def test_segments_keep_the_future_from_the_past_bit_for_bit():
             (xq, rq, a[2], a[3], xk, rk, a[6], a[7], v, a[9]), True, 4)[0]), (0, 1, 2, 3, 4))(
             *(jnp.asarray(a[i], jnp.float32) for i in (0, 1, 4, 5, 8)))
 
-    for t in (3, 24, 32, 45):
+    for t in (3, 16, 32, 45, 64, 100):
         mixed = [a.copy() for a in args]
         for i in (0, 1, 4, 5, 8):
             mixed[i][:, :, t:] = other[i][:, :, t:]

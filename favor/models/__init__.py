@@ -9,7 +9,7 @@ Sizes live in `favor.models.presets`; any key of a family's defaults can be over
 
 from __future__ import annotations
 
-from favor.models import hf
+from favor.models import hf, lora
 from favor.models.layers import FeatureDraw, FitStatistics, logical_axes, redraw_features
 from favor.models.zoo import DTYPES, config, get, names, param_count, preset_names
 

@@ -54,12 +54,28 @@ def meta(*axes):
     return {"logical_axes": tuple(axes)}
 
 
+class Dense(nnx.Linear):
+    """nnx.Linear that may carry a LoRA adapter (favor.models.lora): x W + b + lora_scale · x A B. None
+    until `lora.add` gives it one; the base parameters keep their paths either way."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lora = nnx.data(None)       # a data slot: an adapter module may be put in it later
+        self.lora_scale = 0.0
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        if self.lora is None:
+            return y
+        return y + (self.lora(x) * self.lora_scale).astype(y.dtype)
+
+
 def dense(din, dout, axes, *, rngs, dtype=None, param_dtype=jnp.float32, use_bias=True,
           kernel_init=None):
-    """nnx.Linear [din, dout] whose kernel and bias carry logical axis names."""
+    """A projection [din, dout] (nnx.Linear) whose kernel and bias carry logical axis names."""
     kw = {} if kernel_init is None else {"kernel_init": kernel_init}
-    return nnx.Linear(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                      kernel_metadata=meta(*axes), bias_metadata=meta(axes[-1]), **kw)
+    return Dense(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                 kernel_metadata=meta(*axes), bias_metadata=meta(axes[-1]), **kw)
 
 
 def layer_norm(n, eps, *, rngs, param_dtype=jnp.float32, axis="embed"):

@@ -80,11 +80,20 @@ def num_params(params) -> int:
     return int(sum(x.size for x in jax.tree.leaves(params)))
 
 
+def trained_params(params, trainable) -> int:
+    """How many parameters the main training trains (`trainable`: a bool per leaf, None: all)."""
+    if trainable is None:
+        return num_params(params)
+    return int(sum(x.size for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(trainable)) if t))
+
+
 def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn, ckpt, source, layout,
-               t_start: float, stages: tuple[StageRun, ...] = (), eval_first: bool = False) -> Summary:
+               t_start: float, stages: tuple[StageRun, ...] = (), eval_first: bool = False,
+               trainable=None) -> Summary:
     """The steps from `start` to total_steps: each stage's own steps first (`stages`, in order), then
     `step_fn`'s; logs, evals, checkpoints, SIGTERM. `eval_first`: evaluate before the first step (a run
-    that starts from another model's parameters: its day 0)."""
+    that starts from another model's parameters: its day 0). `trainable`: what `step_fn` trains (a bool
+    per parameter; None: all), counted in the log and the summary."""
     total, log_every, batch_size = int(config.total_steps), int(config.log_every), int(config.batch_size)
     writer = ScalarWriter(workdir / "tensorboard", enabled=jax.process_index() == 0)
     progress = Progress(num_train_steps=total, every_steps=log_every, writer=writer)
@@ -92,6 +101,9 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
     history = {"train_loss": None, "steps_per_second": None, "losses": [], "evals": []}
     stage_history = {run.stage.name: {} for run in stages}
     eval_metrics = {}
+    total_params = num_params(state["params"])
+    trained = trained_params(state["params"], trainable)
+    log.info("training %d of %d parameters (%.3g %%)", trained, total_params, 100.0 * trained / max(total_params, 1))
 
     def record_eval(step):
         metrics = evaluate_fn(state)
@@ -164,7 +176,9 @@ def train_loop(config, workdir: Path, state, start: int, *, step_fn, evaluate_fn
                        "checkpoint_dir": str(ckpt.directory),
                        "tensorboard_dir": str((workdir / "tensorboard").absolute()), "preempted": stop.is_set(),
                        "train_loss_history": history["losses"], "eval_history": history["evals"],
-                       "num_params": num_params(state["params"]), "wall_seconds": time.perf_counter() - t_start})
+                       "num_params": total_params, "trainable_params": trained,
+                       "trainable_fraction": trained / max(total_params, 1),
+                       "wall_seconds": time.perf_counter() - t_start})
     for run in stages:
         if stage_history[run.stage.name]:
             summary[run.stage.summary_key] = stage_history[run.stage.name]

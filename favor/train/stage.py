@@ -12,7 +12,7 @@ A new stage (a distillation, a window-growth schedule) is one module that return
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import optax
 
@@ -33,6 +33,7 @@ class Stage:
     eval_name: str = ""            # TensorBoard: "<name>/eval_<eval_name>_<k>"
     summary_key: str = ""          # summary.json: {step: [K values]}
     describe: str = ""             # the log line's words for the K values
+    trainable: Any = None          # a bool per parameter leaf: what the stage trains (None: all)
 
     @property
     def opt_key(self) -> str:

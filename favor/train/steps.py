@@ -32,10 +32,19 @@ def init_state(model, tx, stages=()) -> dict:
     return state
 
 
-def loss_fn(params, rest, batch, *, graphdef, task):
+def freeze(params, trainable):
+    """`params` with every leaf the bool tree `trainable` does not train under stop_gradient (None: all
+    train): their gradients are symbolic zeros, so a step computes no weight gradient for a frozen
+    projection (a LoRA run's base weights)."""
+    if trainable is None:
+        return params
+    return jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p), params, trainable)
+
+
+def loss_fn(params, rest, batch, *, graphdef, task, trainable=None):
     """(loss, (metrics, rest after the call)) of the task on one batch, in training mode."""
     # copy=True: fresh Variables in this (grad) trace, so dropout may advance its rng counter
-    model = nnx.merge(graphdef, params, rest, copy=True)
+    model = nnx.merge(graphdef, freeze(params, trainable), rest, copy=True)
     loss, metrics = task.loss(model, batch, deterministic=False)
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     return loss, (metrics, new_rest)
@@ -92,15 +101,16 @@ def apply_if_finite(state, loss, grads, **updated):
 
 
 def train_step(state, batch, *, graphdef, task, tx, lr_schedule, redraw: schedule.Redraw | None = None,
-               features_base=None, accumulate: int = 1):
+               features_base=None, accumulate: int = 1, trainable=None):
     """One optimizer step: (new state, metrics). `redraw` (with `features_base`, the ω stream's key):
-    the ω schedule, None to keep the stored ω. A non-finite loss, gradient or update is not applied:
-    the state stays and `bad_step` records the first such step (the loop stops on it)."""
+    the ω schedule, None to keep the stored ω. `trainable`: a bool per parameter (None: all), the others
+    frozen (`tx` must leave them alone too). A non-finite loss, gradient or update is not applied: the
+    state stays and `bad_step` records the first such step (the loop stops on it)."""
     step, rest = state["step"], state["rest"]
     if redraw is not None and redraw.redraws:
         rest = with_features(state["params"], rest, graphdef=graphdef, key=redraw.key(features_base, step))
-    loss, metrics, rest, grads = gradients(partial(loss_fn, graphdef=graphdef, task=task), state["params"], rest,
-                                           batch, accumulate)
+    loss, metrics, rest, grads = gradients(partial(loss_fn, graphdef=graphdef, task=task, trainable=trainable),
+                                           state["params"], rest, batch, accumulate)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new_state = apply_if_finite(state, loss, grads, params=params, rest=rest, opt_state=opt_state)
@@ -116,8 +126,8 @@ def stage_step(state, batch, *, stage, graphdef, task, redraw: schedule.Redraw |
     if redraw is not None and redraw.redraws:
         rest = with_features(state["params"], rest, graphdef=graphdef, key=redraw.key(features_base, step))
     entries = {k: state[k] for k in stage.entry_keys}
-    grad_fn = jax.value_and_grad(partial(stage.loss, graphdef=graphdef, task=task), has_aux=True)
-    (loss, metrics), grads = grad_fn(state["params"], rest, entries, batch)
+    objective = lambda params, *a: stage.loss(freeze(params, stage.trainable), *a, graphdef=graphdef, task=task)
+    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state["params"], rest, entries, batch)
     updates, opt_state = stage.tx.update(grads, state[stage.opt_key], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new_state = apply_if_finite(state, loss, grads, params=params, rest=rest, **{stage.opt_key: opt_state})

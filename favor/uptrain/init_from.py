@@ -30,6 +30,7 @@ from flax import nnx
 from favor import attention as attention_lib
 from favor import models
 from favor.checkpoint import fingerprint
+from favor.models import lora
 from favor.models.layers import is_qk_norm_param
 
 log = logging.getLogger("favor.train")
@@ -176,8 +177,8 @@ def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str],
                 raise ValueError(f"model.init_from {spec!r}: parameter {path} has shape {have[path][0]} in the "
                                  f"source and {want[path][0]} in this config's model{hint}")
             load.append(path)
-        elif path.startswith(HEAD_PREFIXES) or is_qk_norm_param(path):
-            fresh.append(path)        # a new head, or qk_norm's parameters on a source without them
+        elif path.startswith(HEAD_PREFIXES) or is_qk_norm_param(path) or lora.is_lora_param(path):
+            fresh.append(path)        # a new head, qk_norm's parameters on a source without them, or adapters
         else:
             raise ValueError(f"model.init_from {spec!r}: this config's model has parameter {path} "
                              f"{want[path][0]}, which the source does not have{hint}")
@@ -202,17 +203,25 @@ def load_params(config, origin: Origin, params, shardings):
                          f"{new_model}")
     want_flat, sh_flat = _flat(params), _flat(shardings)
     want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in want_flat.items()}
-    load, fresh, dropped = match(ckpt.param_shapes, want, origin.spec, hint)
+    # a LoRA source's adapters are folded into its kernels (below), never loaded as adapters: the new
+    # model's own adapters, if it has any, start fresh on the merged weights
+    adapters = sorted(k for k in ckpt.param_shapes if lora.is_lora_param(k))
+    load, fresh, dropped = match({k: v for k, v in ckpt.param_shapes.items() if k not in adapters}, want,
+                                 origin.spec, hint)
 
     tree = ocp.StandardCheckpointer().metadata(ckpt.directory / "state").item_metadata
     tree = getattr(tree, "tree", tree)
-    wanted = set(load)
+    wanted = set(load) | set(adapters)
+    some = next(iter(sh_flat.values()))
+    replicated = jax.sharding.NamedSharding(some.mesh, jax.sharding.PartitionSpec()) if hasattr(some, "mesh") else some
 
     def target(path, leaf):
         key = dotted(path)
         if key not in wanted:
             return None
-        return jax.ShapeDtypeStruct(tuple(leaf.shape), want[key][1], sharding=sh_flat[key])
+        if key in want:
+            return jax.ShapeDtypeStruct(tuple(leaf.shape), want[key][1], sharding=sh_flat[key])
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), ckpt.param_shapes[key][1], sharding=replicated)
     item = {"params": _prune(jax.tree_util.tree_map_with_path(target, tree["params"]))}
     restored = ocp.PyTreeCheckpointer().restore(
         ckpt.directory / "state", args=ocp.args.PyTreeRestore(
@@ -221,6 +230,13 @@ def load_params(config, origin: Origin, params, shardings):
     if not _fingerprint_holds(list(got.values()), ckpt.meta.get("fingerprint", [])):
         raise ValueError(f"model.init_from {origin.spec!r}: the parameters of step {ckpt.step} do not match the "
                          f"fingerprint saved with them (a damaged checkpoint); choose another step with '@<step>'")
+    if adapters:
+        up = src_config.get("uptrain", {})
+        scale = float(up.get("lora_alpha", 16.0)) / int(up.get("lora_rank", 8))
+        merged = lora.merge({k: np.asarray(jax.device_get(v)) for k, v in got.items()}, scale)
+        got = {k: jax.device_put(v.astype(want[k][1]), sh_flat[k]) for k, v in merged.items() if k in want}
+        log.info("init_from: the source's LoRA adapters folded into %d kernels (scale %g)",
+                 len(adapters) // 2, scale)
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [got[dotted(p)] if dotted(p) in got else leaf for p, leaf in paths]
     log.info("init_from %s: step %d of %s (a %s model with %s attention): %d parameters loaded", origin.spec,

@@ -10,8 +10,10 @@ to that same input, and the loss is the sum over layers of the mean squared diff
 does not feed the next during this stage.
 
 `config.uptrain`: transfer_steps (0 = no transfer stage), trainable ("query_key": the attention layers'
-query and key projections; "all"; or a regular expression searched in the dotted parameter paths), lr
-(the stage's Adam learning rate, cosine-decayed over the stage). `stage` gives the run its stage
+query and key projections; "all"; "lora": LoRA adapters (favor.models.lora) and what `lora_also` selects,
+in this stage and in the training after it, every other parameter frozen; or a regular expression
+searched in the dotted parameter paths), lr (the stage's Adam learning rate, cosine-decayed over the
+stage). `stage` gives the run its stage
 (favor.train.stage): the teacher's parameters are its train-state entry "teacher".
 """
 
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from favor.models import lora
 from favor.models.layers import SelfAttention
 from favor.train.stage import Stage
 from favor.uptrain.init_from import dotted
@@ -80,22 +83,34 @@ def loss_fn(params, rest, entries, batch, **kw):
     return errors.sum(), {f"mse_layer_{i}": e for i, e in enumerate(errors)}
 
 
-def trainable_mask(params, pattern: str):
-    """A bool per parameter leaf: does `pattern` ("query_key", "all", or a regular expression searched in
-    the dotted parameter path) select it."""
-    regex = {"query_key": r"attention\.(query|key)\.", "all": r""}.get(pattern, pattern)
-    compiled = re.compile(regex)
-    return jax.tree_util.tree_map_with_path(lambda p, _: bool(compiled.search(dotted(p))), params)
+def trainable_mask(params, pattern: str, also: str = ""):
+    """A bool per parameter leaf: does `pattern` ("query_key", "all", "lora": the adapters, or a regular
+    expression searched in the dotted parameter path) select it; with "lora", `also` (a regular
+    expression) adds parameters that train beside the adapters."""
+    if pattern == "lora":
+        extra = re.compile(also) if also else None
+        pick = lambda path: lora.is_lora_param(path) or bool(extra and extra.search(path))
+    else:
+        compiled = re.compile({"query_key": r"attention\.(query|key)\.", "all": r""}.get(pattern, pattern))
+        pick = lambda path: bool(compiled.search(path))
+    return jax.tree_util.tree_map_with_path(lambda p, _: pick(dotted(p)), params)
+
+
+def masked(tx, trainable_mask) -> optax.GradientTransformation:
+    """`tx` on the parameters the mask trains; the others get an exactly zero update and no optimizer
+    state (optax.multi_transform keeps an inner state only for its own leaves)."""
+    labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable_mask)
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
 def optimizer(uptrain, trainable_mask) -> optax.GradientTransformation:
-    """Adam at `uptrain.lr` (5 % warmup, cosine decay over the stage) on the chosen parameters. The
-    others' gradients are zeroed first (so they count in no clipping norm) and Adam then gives them an
-    exactly zero update (its moments stay 0; no weight decay)."""
+    """Adam at `uptrain.lr` (5 % warmup, cosine decay over the stage) on the chosen parameters, clipped
+    to global norm 1 over those; the others frozen (`masked`: no update, no moments, no weight decay)."""
     steps = max(int(uptrain.transfer_steps), 1)
-    lr = optax.warmup_cosine_decay_schedule(0.0, float(uptrain.lr), max(steps // 20, 1), steps)
-    frozen = jax.tree.map(lambda t: not t, trainable_mask)
-    return optax.chain(optax.masked(optax.set_to_zero(), frozen), optax.clip_by_global_norm(1.0), optax.adam(lr))
+    # a one-step stage has no room for warmup (optax needs a decay after it)
+    warmup = min(max(steps // 20, 1), steps - 1)
+    lr = optax.warmup_cosine_decay_schedule(0.0, float(uptrain.lr), warmup, steps)
+    return masked(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr)), trainable_mask)
 
 
 def stage(uptrain, abstract_params, build_softmax) -> Stage | None:
@@ -105,11 +120,11 @@ def stage(uptrain, abstract_params, build_softmax) -> Stage | None:
     steps = int(uptrain.get("transfer_steps", 0) or 0)
     if not steps:
         return None
-    mask = trainable_mask(abstract_params, str(uptrain.trainable))
+    mask = trainable_mask(abstract_params, str(uptrain.trainable), str(uptrain.get("lora_also", "")))
     if not any(jax.tree.leaves(mask)):
         raise ValueError(f"config.uptrain.trainable={uptrain.trainable!r} selects no parameter")
     teacher = teacher_of(build_softmax)
     return Stage(name="transfer", steps=steps, tx=optimizer(uptrain, mask),
                  loss=partial(loss_fn, teacher=teacher), entries=lambda params: {"teacher": params},
                  entry_keys=("teacher",), evaluate=partial(layer_errors, teacher=teacher), eval_name="mse_layer",
-                 summary_key="attention_mse", describe="attention MSE against softmax, per layer")
+                 summary_key="attention_mse", describe="attention MSE against softmax, per layer", trainable=mask)
