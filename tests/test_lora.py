@@ -91,13 +91,9 @@ def _opt_sizes(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree) if np.ndim(x) > 0))
 
 
-@pytest.mark.parametrize("family", ["LlamaForCausalLM", "GPT2LMHeadModel"])
-def test_a_lora_run_trains_only_its_adapters(hf_reference, docstrings_cache, tmp_path, family):
-    """Transfer (2 steps) then the LM loss (2 steps), trainable="lora": the base parameters end exactly as
-    the checkpoint has them, every adapter's B has moved from zero, the optimizer states hold Adam's two
-    moments for the adapters only, and summary.json counts them."""
-    path = _hf_decoder(hf_reference, tmp_path, family)
-    summary = job.run(_lora_config(path), tmp_path / "run")
+def _check_adapters_only(summary, path, workdir):
+    """The base parameters end exactly as the checkpoint has them, every adapter's B has moved from zero,
+    the optimizer states hold Adam's two moments for the adapters only, and summary.json counts them."""
     params = _flat(summary.state["params"])
     source = _flat(nnx.state(models.hf.load(path), nnx.Param))
     adapters = {k: v for k, v in params.items() if lora.is_lora_param(k)}
@@ -109,18 +105,28 @@ def test_a_lora_run_trains_only_its_adapters(hf_reference, docstrings_cache, tmp
     trained = sum(v.size for v in adapters.values())
     for key in ("opt_state", "transfer_opt_state"):
         assert _opt_sizes(summary.state[key]) == 2 * trained, key
-    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    written = json.loads((workdir / "summary.json").read_text())
     assert written["trainable_params"] == trained
     assert written["trainable_fraction"] == pytest.approx(trained / sum(v.size for v in params.values()))
 
 
-def test_lora_resumes_and_folds_into_the_next_run(hf_reference, docstrings_cache, tmp_path):
-    """A run resumed from its step-2 checkpoint (the first training step after transfer) ends with the
-    uninterrupted run's parameters; a run started from it (init_from=run:) holds kernels W + (α/r)·A B,
-    formed here in float64, no adapters of its own, and computes the LoRA model's logits."""
+def test_a_gpt2_lora_run_trains_only_its_adapters(hf_reference, docstrings_cache, tmp_path):
+    """Transfer (2 steps) then the LM loss (2 steps), trainable="lora", on a tiny random GPT-2 (biases,
+    learned positions, tied embeddings); the Llama layout is the next test's."""
+    path = _hf_decoder(hf_reference, tmp_path, "GPT2LMHeadModel")
+    _check_adapters_only(job.run(_lora_config(path), tmp_path / "run"), path, tmp_path / "run")
+
+
+def test_a_llama_lora_run_resumes_and_folds_into_the_next_run(hf_reference, docstrings_cache, tmp_path):
+    """On a tiny random Llama (transfer 1 step, then 3): only the adapters train (as for GPT-2 above); a
+    run resumed from its step-2 checkpoint ends with the uninterrupted run's parameters; a run started
+    from it (init_from=run:) holds kernels W + (α/r)·A B, formed here in float64, no adapters of its own,
+    and computes the LoRA model's logits."""
     path = _hf_decoder(hf_reference, tmp_path, "LlamaForCausalLM")
     config = _lora_config(path, total=4, transfer=1)
-    run = job.run(config, tmp_path / "whole").state
+    summary = job.run(config, tmp_path / "whole")
+    _check_adapters_only(summary, path, tmp_path / "whole")
+    run = summary.state
     whole = _flat(run["params"])
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "whole", part)
@@ -140,10 +146,10 @@ def test_lora_resumes_and_folds_into_the_next_run(hf_reference, docstrings_cache
         want = whole[f"{stem}.kernel"].astype(np.float64) + 2.0 * (
             whole[key].astype(np.float64) @ whole[f"{stem}.lora.lora_b"].astype(np.float64))
         np.testing.assert_allclose(got[f"{stem}.kernel"], want, rtol=1e-6, atol=1e-6)
-    lora_plan = job.rebuild(config, tmp_path / "graph")[3]
+    lora_graph = nnx.split(nnx.eval_shape(job.model_builder(config)[0]), nnx.Param, ...)[0]
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 100, (2, 16)))
     # both with the LoRA run's draws and fit statistics: what differs is the adapters against their merge
-    a = nnx.merge(lora_plan.graphdef, run["params"], run["rest"])(ids)["logits"]
+    a = nnx.merge(lora_graph, run["params"], run["rest"])(ids)["logits"]
     b = nnx.merge(model_plan.graphdef, state["params"], run["rest"])(ids)["logits"]
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
 
