@@ -135,10 +135,14 @@ def main(argv):
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
     fixed = {"step", "train_loss", "steps_per_second", "attention", "checkpoint_dir", "tensorboard_dir", "preempted",
-             "train_loss_history", "eval_history"}
+             "train_loss_history", "eval_history", "wall_seconds", "num_params", "trainable_params",
+             "trainable_fraction"}
     for k, v in summary.items():
         if k not in fixed and isinstance(v, float):
             report.append(f"  eval {k}: {v:.4f}")
+    if summary.get("trainable_params", summary.get("num_params")) != summary.get("num_params"):
+        report.append(f"  trained {summary['trainable_params']:,} of {summary['num_params']:,} parameters "
+                      f"({100 * summary['trainable_fraction']:.3g} %)")
     if summary["steps_per_second"]:
         report.append(f"  {summary['steps_per_second']:.1f} steps/s")
     report.append(f"  checkpoints: {summary['checkpoint_dir']}")
