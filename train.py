@@ -130,8 +130,8 @@ def main(argv):
     from favor import job
     try:
         summary = job.run(config, FLAGS.value)
-    except extras.MissingExtra as e:      # a pipeline whose optional packages are not installed
-        fail(str(e))
+    except (extras.MissingExtra, configlib.ConfigError) as e:   # a pipeline whose optional packages are not
+        fail(str(e))                      # installed, or a value only the built job can judge
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
     fixed = {"step", "train_loss", "steps_per_second", "attention", "checkpoint_dir", "tensorboard_dir", "preempted",

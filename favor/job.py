@@ -69,8 +69,11 @@ def model_builder(config):
         keys = model_keys(seed) if keys is None else keys
         model = models.get(name, preset, rngs=nnx.Rngs(**keys), **m)
         if lora_on:
-            models.lora.add(model, int(up.lora_rank), float(up.lora_alpha), str(up.lora_targets),
-                            rngs=nnx.Rngs(params=jax.random.fold_in(keys["params"], LORA_STREAM)))
+            try:
+                models.lora.add(model, int(up.lora_rank), float(up.lora_alpha), str(up.lora_targets),
+                                rngs=nnx.Rngs(params=jax.random.fold_in(keys["params"], LORA_STREAM)))
+            except ValueError as e:          # targets that select nothing: the config's error
+                raise configlib.ConfigError("uptrain.lora_targets", str(up.lora_targets), str(e)) from None
         return model
     return build, full
 

@@ -170,5 +170,5 @@ def test_lora_config_errors_name_the_key(hf_reference, tmp_path):
     with pytest.raises(configlib.ConfigError, match="uptrain.trainable.*needs model.init_from"):
         configlib.validate(config)
     config = _lora_config(path, lora_targets=r"attention\.nothing$")
-    with pytest.raises(ValueError, match="select no projection.*layers.0.attention.key"):
+    with pytest.raises(configlib.ConfigError, match="uptrain.lora_targets.*select no projection.*layers.0.attention.key"):
         job.run(config, tmp_path / "none")
