@@ -390,8 +390,8 @@ def _validate_uptrain(config) -> None:
     try:
         re.compile(str(pattern))
     except re.error as e:
-        raise ConfigError("uptrain.trainable", pattern, f"must be 'query_key', 'all', 'lora' or a regular "
-                                                       f"expression over parameter paths ({e})") from None
+        raise ConfigError("uptrain.trainable", pattern, f"must be 'query_key', 'all', 'feature_maps', 'lora' or a "
+                                                       f"regular expression over parameter paths ({e})") from None
     if pattern != "lora":
         return
     if not config.model.get("init_from"):

@@ -96,6 +96,28 @@ def _hybrid_terms(mech, x, y, draw, params):
     return logs, signs, mags
 
 
+def _log_softmax(z):
+    top = np.max(z, -1, keepdims=True)
+    return z - top - np.log(np.sum(np.exp(z - top), -1, keepdims=True))
+
+
+def _learned_terms(attn, x, y, weights):
+    """A learned map's terms from its weights (the layer's, or the seed's initial ones: data, like ω),
+    the map written here: Hedgehog [log softmax(xW), log softmax(−xW)] with W_q, W_k; T2R log ReLU(xW + b)."""
+    if weights is None:
+        import jax
+        weights = attn.init_weights(jax.random.PRNGKey(attn.seed), x.shape[1], x.shape[-1])
+    w = _np(np.asarray(weights, np.float32))
+    if attn.name == "hedgehog":
+        def feats(u, m):
+            z = np.einsum("bhld,hdf->bhlf", u, m)
+            return np.concatenate([_log_softmax(z), _log_softmax(-z)], -1)
+        return _sym_terms(feats(x, w[0]), None, feats(y, w[1]), None)
+    feats = lambda u: np.maximum(np.einsum("bhld,hdf->bhlf", u, w[:, :-1]) + w[None, :, None, -1], 0.0)
+    with np.errstate(divide="ignore"):
+        return _sym_terms(np.log(feats(x)), None, np.log(feats(y)), None)
+
+
 def pair_terms(attn, q, k, ctx):
     """Every term of the estimate of exp(x_iᵀy_j) for every pair, (log|t|, sign or None[, log of the
     magnitude a feature-space computation must sum]) [B, H, Lq, Lk, T], with x = q·D^(−1/4),
@@ -110,6 +132,9 @@ def pair_terms(attn, q, k, ctx):
         yk = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2)
         with np.errstate(divide="ignore"):
             return _sym_terms(np.log(phi(xq)), None, np.log(phi(yk)), None)
+    if name in ("hedgehog", "t2r"):
+        return _learned_terms(attn, np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2),
+                              np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2), ctx)
     mech, draw, params = attn.mech, ctx.draw, ctx.params
     if mech.name == "trig":
         return _trig_terms(x, y, _np(draw.omega))

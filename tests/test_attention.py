@@ -633,9 +633,22 @@ def _mha(kind, **extra):
                                   attention_fn=attention.attention_fn(kind, **opts, **extra), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+LEARNED = [k for k in KINDS if getattr(attention.get(k), "learned", False)]
+
+
+def test_learned_kinds_have_no_dropin():
+    """A learned map's weights are parameters; an attention_fn owns none, so asking for one is an error
+    that names favor's layer."""
+    assert set(LEARNED) == {"hedgehog", "t2r"}
+    for kind in LEARNED:
+        with pytest.raises(ValueError, match="learned feature map.*SelfAttention"):
+            attention.attention_fn(kind)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in LEARNED])
 def test_nnx_multihead_attention_dropin(kind):
-    """nnx.MultiHeadAttention(attention_fn=...) with every kind, padding mask, under jit and grad."""
+    """nnx.MultiHeadAttention(attention_fn=...) with every kind (learned maps: the test above), padding
+    mask, under jit and grad."""
     from flax import nnx
 
     mha = _mha(kind)

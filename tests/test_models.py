@@ -83,7 +83,13 @@ def test_parameter_tree_is_the_same_for_every_kind(family):
 
     reference = tree("softmax")
     for kind in attention.names():
-        assert tree(kind) == reference, kind
+        got = tree(kind)
+        if getattr(attention.get(kind), "learned", False):
+            # a learned map's weights are parameters of each attention layer beside the softmax model's
+            # (init_from starts them fresh from a checkpoint of another kind)
+            for layer in got["layers"].values():
+                assert layer["attention"].pop("feature_map")[1] == np.float32
+        assert got == reference, kind
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -209,7 +209,7 @@ def test_attention_transfer_lowers_the_attention_error_and_moves_only_the_chosen
     with pytest.raises(ValueError, match="config.uptrain.trainable='no_such_parameter' selects no parameter"):
         job.run(config, tmp_path / "none")
     for key, value, allowed in (("uptrain.transfer_steps", 31, "must be at most total_steps (30)"),
-                                ("uptrain.trainable", "(", "must be 'query_key', 'all', 'lora' or a regular expression")):
+                                ("uptrain.trainable", "(", "must be 'query_key', 'all', 'feature_maps', 'lora' or a regular")):
         bad = config.copy_and_resolve_references()
         bad.uptrain[key.split(".")[1]] = value
         with pytest.raises(configlib.ConfigError, match=f"config.{key}="):
@@ -262,6 +262,25 @@ def test_lora_uptrains_a_vit_with_its_base_frozen(softmax_run, tmp_path):
     assert sorted(adapters) == sorted(f"layers.0.attention.{w}.lora.lora_{m}" for w in ("query", "key", "value", "out")
                                       for m in "ab")
     assert summary["trainable_params"] == sum(got[p].size for p in adapters)
+
+
+@pytest.mark.parametrize("kind", ["hedgehog", "t2r"])
+def test_learned_feature_maps_train_alone_in_attention_transfer(softmax_run, tmp_path, kind):
+    """A softmax ViT continued as a learned kind: its feature maps start fresh (the source has none),
+    trainable="feature_maps" moves them alone in the transfer stage (LoLCATs' first stage), and the
+    attention error against softmax falls."""
+    config = tiny(kind, total_steps=16, checkpoint_every=16, eval_every=16)
+    config.model.attention.num_features = 32
+    config.model.init_from = f"run:{softmax_run}"
+    config.uptrain.update(transfer_steps=16, lr=1e-2, trainable="feature_maps")
+    summary = job.run(config, tmp_path)
+    before, after = summary["attention_mse"]["0"], summary["attention_mse"]["16"]
+    assert all(a < 0.9 * b for a, b in zip(after, before)), (before, after)
+    source, got = saved_params(softmax_run / "checkpoints", 48), state_params(summary.state["params"])
+    teacher = state_params(summary.state["teacher"])
+    moved = {p for p in got if p not in source or not np.array_equal(source[p], got[p])}
+    assert moved == {"layers.0.attention.feature_map"}
+    assert not np.array_equal(teacher["layers.0.attention.feature_map"], got["layers.0.attention.feature_map"])
 
 
 @pytest.fixture

@@ -82,6 +82,9 @@ def attention_fn(kind, stats=None, **options):
                          "attention_fn=attention_fn(kind)), which owns the LayerNorms' learned scales; an "
                          "attention_fn owns no parameters")
     attn = registry.get(kind, **options)
+    if getattr(attn, "learned", False):
+        raise ValueError(f"attention_fn: {kind!r} has a learned feature map, whose weights are parameters, and "
+                         "an attention_fn owns none; use favor's SelfAttention (favor.models), which holds them")
     # qk_norm="l2": an attention_fn owns no parameters, so the sphere's radius is the constant qk_radius
     # here (favor's own attention layer learns one per head)
     sphere = (lambda q, k: qknorm.on_sphere(q, k, jnp.full((q.shape[-2],), float(qk["qk_radius"])))) \

@@ -197,7 +197,7 @@ class FeatureAttention(Attention, abc.ABC):
                 # features with no exponential in them need no log space (linear.causal_plain) unless
                 # some are so small (or large) that their products leave float32's normal range: then
                 # the exact log-space path. One decision for the whole input
-                fq, fk = self.phi(x), self.phi(y)            # made once: the check and the plain path
+                fq, fk = self.plain_maps(ctx, x, y)          # made once: the check and the plain path
                 exact = lambda fq, fk, x, y, vv: linear.causal_maps(
                     self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.chunk_size, "exact",
                     self.causal_span)
@@ -211,6 +211,11 @@ class FeatureAttention(Attention, abc.ABC):
             out = linear.bidirectional_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
                                             self.bidirectional_chunk, floor)
         return _to_bhld(out).astype(v.dtype)
+
+    def plain_maps(self, ctx, x, y):
+        """(φ_q, φ_k) themselves, not in log space: what linear.causal_plain takes for a kind without
+        finite_features (ReLU/ELU: `phi` elementwise)."""
+        return self.phi(x), self.phi(y)
 
     def floor(self, x, y, v, mask, causal, ctx):
         """What a sign-indefinite kind's ratio is floored by (linear.jensen_floor: the bound
@@ -300,6 +305,110 @@ class EluAttention(ElementwiseAttention):
 
     name = "elu"
     phi = staticmethod(lambda u: jax.nn.elu(u) + 1.0)
+
+
+class LearnedAttention(FeatureAttention):
+    """Linear attention over a learned feature map (Hedgehog, T2R). Its weights are parameters of the
+    layer that holds the kind (favor.models.layers.SelfAttention creates them from `init_weights` and
+    passes them as `draw`, the slot a random-feature kind's stored ω takes), trained like any other
+    parameter (`uptrain.trainable=feature_maps` in the attention-transfer stage). Called without them
+    (a standalone call, decoding in a test) the kind uses the initial weights its `seed` gives.
+
+    Options: num_features (F, the feature width) and seed, besides FeatureAttention's."""
+
+    learned = True
+    OPTIONS = {**FeatureAttention.OPTIONS, "num_features": 64, "seed": 0}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        f = options.get("num_features", self.OPTIONS["num_features"])
+        if not isinstance(f, int) or isinstance(f, bool) or f < self.MIN_FEATURES or f % self.FEATURE_STEP:
+            raise ValueError(f"{self.name}: num_features must be a positive multiple of {self.FEATURE_STEP}; "
+                             f"got {f!r}")
+        self.num_features, self.seed = f, int(options.get("seed", 0))
+
+    MIN_FEATURES = FEATURE_STEP = 1
+
+    def feature_dim(self, dim):
+        return self.num_features
+
+    @abc.abstractmethod
+    def init_weights(self, key, heads: int, dim: int):
+        """The map's initial weights for `heads` heads of dim `dim`: one float32 array."""
+
+    def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None, stats=None,
+                causal=False):
+        return draw
+
+    def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
+        return draw
+
+    def weights(self, ctx, x):
+        """The weights a call uses: the layer's (`ctx`), else the seed's initial ones for x's heads and dim."""
+        if ctx is not None:
+            return ctx
+        return self.init_weights(jax.random.PRNGKey(self.seed), x.shape[1], x.shape[-1])
+
+    @staticmethod
+    def _start(key, shape, dim):
+        """[.., D, F'] weights that start at the identity on the first min(D, F') columns (the map then
+        starts from the inputs themselves, as LoLCATs starts Hedgehog) and N(0, 1/D) beyond."""
+        eye = jnp.eye(shape[-2], shape[-1], dtype=jnp.float32)
+        extra = jax.random.normal(key, shape, jnp.float32) * dim ** -0.5
+        return jnp.where(jnp.arange(shape[-1]) < shape[-2], eye, extra)
+
+
+class HedgehogAttention(LearnedAttention):
+    """Hedgehog (Zhang et al., 2024): per head a trainable D × F/2 projection W for queries and another
+    for keys, φ(x) = [softmax(xW), softmax(−xW)] over the F/2 columns; spiky and monotonic like the
+    softmax it learns to imitate. Positive, with finite log-features (log_softmax), so every pass and
+    stabiliser of the random-feature kinds applies. Weights [2, H, D, F/2] (queries, keys)."""
+
+    name = "hedgehog"
+    FEATURE_STEP = 2
+    MIN_FEATURES = 2
+
+    def init_weights(self, key, heads, dim):
+        return self._start(key, (2, heads, dim, self.num_features // 2), dim)
+
+    @staticmethod
+    def _map(w, x):
+        z = jnp.einsum("bhld,hdf->bhlf", x, w.astype(jnp.float32))
+        return jnp.concatenate([jax.nn.log_softmax(z, -1), jax.nn.log_softmax(-z, -1)], -1)
+
+    def query_map(self, ctx, x):
+        return self._map(self.weights(ctx, x)[0], x), None
+
+    def key_map(self, ctx, y):
+        return self._map(self.weights(ctx, y)[1], y), None
+
+
+class T2RAttention(LearnedAttention):
+    """T2R (Kasai et al., 2021): φ(x) = ReLU(x W + b) per head, one map for queries and keys. Weights
+    [H, D + 1, F] (W, then b as the last row; b starts at 0). ReLU's exact zeros make its features run
+    as ReLU/ELU's do (linear.causal_plain where their range allows, else the exact log-space path)."""
+
+    name = "t2r"
+    finite_features = False
+    CAUSAL_CHUNK = 128
+
+    def init_weights(self, key, heads, dim):
+        w = self._start(key, (heads, dim, self.num_features), dim)
+        return jnp.concatenate([w, jnp.zeros((heads, 1, self.num_features), jnp.float32)], 1)
+
+    def _features(self, ctx, x):
+        w = self.weights(ctx, x).astype(jnp.float32)
+        return jax.nn.relu(jnp.einsum("bhld,hdf->bhlf", x, w[:, :-1]) + w[:, None, -1])
+
+    def plain_maps(self, ctx, x, y):
+        return self._features(ctx, x), self._features(ctx, y)
+
+    def query_map(self, ctx, x):
+        f = self._features(ctx, x)          # exact zeros stay −inf, as ReLU's (ElementwiseAttention)
+        return jnp.where(f > 0, jnp.log(jnp.where(f > 0, f, 1.0)), -jnp.inf), None
+
+    def key_map(self, ctx, y):
+        return self.query_map(ctx, y)
 
 
 # How a random-feature kind runs: "xla" (favor.attention.linear), "pallas" (favor.attention.fused), or
@@ -675,5 +784,6 @@ SimRF = _rf_kind(
     "simrf", "positive", "SimRF: positive or OPRF features on simplex-coupled projections (simplex or simplex+).",
     {"features": "positive", "coupling": "simplex"}, _simrf_mechanism, spec_option="features")
 
-KINDS = (Softmax, ReluAttention, EluAttention, Favor, FavorPlus, FavorPlusPlus, FavorSharp, Hrf, SimRF)
+KINDS = (Softmax, ReluAttention, EluAttention, Favor, FavorPlus, FavorPlusPlus, FavorSharp, Hrf, SimRF,
+         HedgehogAttention, T2RAttention)
 

@@ -157,6 +157,12 @@ class SelfAttention(nnx.Module):
             self.features = FeatureDraw(self.kind.base_draw(rngs.features(), self.head_dim))
         else:
             self.features = None
+        if getattr(self.kind, "learned", False):
+            # a learned feature map's weights (Hedgehog, T2R): parameters, never sharded (a few per head)
+            w = self.kind.init_weights(rngs.params(), heads, self.head_dim).astype(param_dtype)
+            self.feature_map = nnx.Param(w, **meta(*(None,) * w.ndim))
+        else:
+            self.feature_map = None
         if causal and self.kind.data_dependent:
             # statistics of no data: the fit then falls back to the family's data-independent member
             empty = jnp.zeros((1, 1, heads, self.head_dim), jnp.float32)
@@ -197,7 +203,7 @@ class SelfAttention(nnx.Module):
         if not deterministic and self.key_dropout.rate > 0:
             kept = self.key_dropout(jnp.ones((b, l), jnp.float32), deterministic=False) > 0
             key_mask = kept if key_mask is None else key_mask & kept
-        draw = None if self.features is None else self.features.get_value()
+        draw = self._stored()
         query_mask = None if mask is None else jnp.asarray(mask, bool)
         stats = None
         if self.fit_stats is not None:
@@ -212,10 +218,16 @@ class SelfAttention(nnx.Module):
         return result
 
     # -- incremental decoding (causal layers) ----------------------------------------------------------
+    def _stored(self):
+        """What the kind takes as `draw`: the stored ω of a random-feature kind, a learned map's weights,
+        or None."""
+        if self.features is not None:
+            return self.features.get_value()
+        return None if self.feature_map is None else self.feature_map[...]
+
     def _draw_and_stats(self):
-        """The stored ω and the running fit statistics (None where the layer has none)."""
-        return (None if self.features is None else self.features.get_value(),
-                None if self.fit_stats is None else self.fit_stats.get_value())
+        """The stored ω (or learned map) and the running fit statistics (None where the layer has none)."""
+        return self._stored(), None if self.fit_stats is None else self.fit_stats.get_value()
 
     def _decode_context(self):
         draw, stats = self._draw_and_stats()

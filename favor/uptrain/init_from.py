@@ -177,8 +177,11 @@ def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str],
                 raise ValueError(f"model.init_from {spec!r}: parameter {path} has shape {have[path][0]} in the "
                                  f"source and {want[path][0]} in this config's model{hint}")
             load.append(path)
-        elif path.startswith(HEAD_PREFIXES) or is_qk_norm_param(path) or lora.is_lora_param(path):
-            fresh.append(path)        # a new head, qk_norm's parameters on a source without them, or adapters
+        elif (path.startswith(HEAD_PREFIXES) or is_qk_norm_param(path) or lora.is_lora_param(path)
+              or path.endswith("attention.feature_map")):
+            # a new head, qk_norm's parameters on a source without them, adapters, or a learned kind's
+            # feature map on a source of another kind
+            fresh.append(path)
         else:
             raise ValueError(f"model.init_from {spec!r}: this config's model has parameter {path} "
                              f"{want[path][0]}, which the source does not have{hint}")

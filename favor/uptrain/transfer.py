@@ -10,7 +10,7 @@ to that same input, and the loss is the sum over layers of the mean squared diff
 does not feed the next during this stage.
 
 `config.uptrain`: transfer_steps (0 = no transfer stage), trainable ("query_key": the attention layers'
-query and key projections; "all"; "lora": LoRA adapters (favor.models.lora) and what `lora_also` selects,
+query and key projections; "all"; "feature_maps": a learned kind's maps (hedgehog, t2r); "lora": LoRA adapters (favor.models.lora) and what `lora_also` selects,
 in this stage and in the training after it, every other parameter frozen; or a regular expression
 searched in the dotted parameter paths), lr (the stage's Adam learning rate, cosine-decayed over the
 stage). `stage` gives the run its stage
@@ -34,13 +34,14 @@ from favor.uptrain.init_from import dotted
 
 
 def teacher_of(build_softmax):
-    """(graphdef, rest) of the softmax twin of a model, its attention layers set to record."""
+    """(graphdef, rest, its parameters' paths) of the softmax twin of a model, its attention layers set to
+    record. The twin has every parameter of the student but a learned kind's feature maps."""
     model = build_softmax()
     for _, m in nnx.iter_graph(model):
         if isinstance(m, SelfAttention):
             m.record = True
-    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, rest
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, rest, frozenset(tuple(p) for p, _ in nnx.to_flat_state(params))
 
 
 def _attention_paths(model):
@@ -57,8 +58,9 @@ def layer_errors(params, rest, entries, batch, *, graphdef, teacher, task):
     """([num attention layers] mean squared error between each student attention layer's output and the
     softmax teacher's, on the teacher's inputs to that layer; the number of tokens it averages over).
     Deterministic (no dropout); padding tokens and padding rows (batch["valid"]) do not count."""
-    t_graphdef, t_rest = teacher
-    t_model = nnx.merge(t_graphdef, jax.lax.stop_gradient(entries["teacher"]), t_rest, copy=True)
+    t_graphdef, t_rest, t_paths = teacher
+    t_params = nnx.filter_state(entries["teacher"], lambda path, _: tuple(path) in t_paths)
+    t_model = nnx.merge(t_graphdef, jax.lax.stop_gradient(t_params), t_rest, copy=True)
     _, captured = nnx.capture(lambda m, b: task.loss(m, b, deterministic=True), nnx.Intermediate)(t_model, batch)
     student = nnx.merge(graphdef, params, rest, copy=True)
     errors, count = [], None
@@ -83,15 +85,20 @@ def loss_fn(params, rest, entries, batch, **kw):
     return errors.sum(), {f"mse_layer_{i}": e for i, e in enumerate(errors)}
 
 
+# the `trainable` values that name a set: the query/key projections, everything, a learned kind's feature
+# maps (Hedgehog, T2R: LoLCATs' first stage trains these alone)
+NAMED = {"query_key": r"attention\.(query|key)\.", "all": r"", "feature_maps": r"(^|\.)attention\.feature_map$"}
+
+
 def trainable_mask(params, pattern: str, also: str = ""):
-    """A bool per parameter leaf: does `pattern` ("query_key", "all", "lora": the adapters, or a regular
-    expression searched in the dotted parameter path) select it; with "lora", `also` (a regular
+    """A bool per parameter leaf: does `pattern` ("query_key", "all", "feature_maps", "lora": the
+    adapters, or a regular expression searched in the dotted parameter path) select it; with "lora", `also` (a regular
     expression) adds parameters that train beside the adapters."""
     if pattern == "lora":
         extra = re.compile(also) if also else None
         pick = lambda path: lora.is_lora_param(path) or bool(extra and extra.search(path))
     else:
-        compiled = re.compile({"query_key": r"attention\.(query|key)\.", "all": r""}.get(pattern, pattern))
+        compiled = re.compile(NAMED.get(pattern, pattern))
         pick = lambda path: bool(compiled.search(path))
     return jax.tree_util.tree_map_with_path(lambda p, _: pick(dotted(p)), params)
 
