@@ -72,6 +72,6 @@ def test_sweep_launcher_runs_each_override():
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     kinds = [line.split("--config.model.attention.kind=")[1].split()[0] for line in out]
     seeds = [line.split("--config.seed=")[1].split()[0] for line in out]
-    every = ["softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf"]
+    every = ["softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf", "hedgehog", "t2r"]
     assert kinds == [k for k in every for _ in range(2)] and seeds == ["0", "1"] * len(every)   # kinds × 2 seeds
     assert all("--config.total_steps=5" in line and "/tmp/sweep/kind=" in line for line in out)
