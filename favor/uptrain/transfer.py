@@ -1,6 +1,7 @@
-"""Attention transfer: before fine-tuning, train the model around a random-feature attention to
-reproduce the softmax attention it replaces, layer by layer (LoLCATs' attention transfer, adapted: favor's
-kernels have no learned feature map, so what moves are the projections that feed them).
+"""Attention transfer: before fine-tuning, train the model around a linear attention to reproduce the
+softmax attention it replaces, layer by layer (LoLCATs' attention transfer). A learned kind (hedgehog,
+t2r) trains its feature maps (trainable="feature_maps", LoLCATs' first stage); the random-feature kinds
+have no learned map, so what moves there are the projections that feed them.
 
 The teacher is the same model with exact softmax attention and the parameters the run started from,
 frozen. One forward of the teacher records, for every attention layer, its input, its mask and its
