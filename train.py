@@ -140,7 +140,7 @@ def main(argv):
     for k, v in summary.items():
         if k not in fixed and isinstance(v, float):
             report.append(f"  eval {k}: {v:.4f}")
-    if summary.get("trainable_params", summary.get("num_params")) != summary.get("num_params"):
+    if summary["trainable_params"] < summary["num_params"]:
         report.append(f"  trained {summary['trainable_params']:,} of {summary['num_params']:,} parameters "
                       f"({100 * summary['trainable_fraction']:.3g} %)")
     if summary["steps_per_second"]:

@@ -638,8 +638,11 @@ LEARNED = [k for k in KINDS if getattr(attention.get(k), "learned", False)]
 
 def test_learned_kinds_have_no_dropin():
     """A learned map's weights are parameters; an attention_fn owns none, so asking for one is an error
-    that names favor's layer."""
+    that names favor's layer. A width the map cannot have is an error naming what it can."""
     assert set(LEARNED) == {"hedgehog", "t2r"}
+    for kind, bad, allowed in (("hedgehog", 5, "multiple of 2"), ("t2r", 0, "multiple of 1")):
+        with pytest.raises(ValueError, match=f"{kind}: num_features must be a positive {allowed}; got {bad}"):
+            attention.get(kind, num_features=bad)
     for kind in LEARNED:
         with pytest.raises(ValueError, match="learned feature map.*SelfAttention"):
             attention.attention_fn(kind)

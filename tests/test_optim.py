@@ -75,3 +75,37 @@ def test_sweep_launcher_runs_each_override():
     every = ["softmax", "relu", "elu", "favor", "favor+", "favor++", "favor#", "hrf", "simrf", "hedgehog", "t2r"]
     assert kinds == [k for k in every for _ in range(2)] and seeds == ["0", "1"] * len(every)   # kinds × 2 seeds
     assert all("--config.total_steps=5" in line and "/tmp/sweep/kind=" in line for line in out)
+
+
+def test_layer_decay_under_a_frozen_mask():
+    """Layer-wise decay inside favor.uptrain.transfer.masked (a LoRA run's optimizer): frozen leaves get a
+    zero update and no state; trained ones the plain SGD step scaled by layer_decay^(n + 1 − depth)."""
+    from favor.uptrain import transfer
+    params = {"embed": jnp.ones((2, 2)), "layers": {"0": {"w": jnp.ones((2,))}, "1": {"w": jnp.ones((2,))}},
+              "head": jnp.ones((3,))}
+    mask = {"embed": False, "layers": {"0": {"w": True}, "1": {"w": False}}, "head": True}
+    tx, _ = optim.make(ocfg(name="sgd", lr=1.0, warmup_steps=0, schedule="constant", layer_decay=0.5,
+                            momentum=0.0), 10, params=params, num_layers=2)
+    tx = transfer.masked(tx, mask)
+    state = tx.init(params)
+    upd, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert float(jnp.max(jnp.abs(upd["embed"]))) == 0.0 and float(jnp.max(jnp.abs(upd["layers"]["1"]["w"]))) == 0.0
+    assert float(jnp.max(jnp.abs(upd["layers"]["0"]["w"]))) == pytest.approx(0.5 ** 2)    # depth 1 of n = 2
+    assert float(jnp.max(jnp.abs(upd["head"]))) == pytest.approx(1.0)                    # depth n + 1
+
+
+def test_optimizer_state_shardings_follow_the_parameters_by_path():
+    """sharding.like_params: AdamW's moments of a masked optimizer (frozen leaves MaskedNode, no state)
+    take their parameter's sharding wherever optax nests them; counts and other leaves the default."""
+    import optax
+    from favor import sharding
+    from favor.uptrain import transfer
+    params = {"a": jnp.ones((4, 2)), "b": {"c": jnp.ones((4, 2)), "d": jnp.ones((3,))}}
+    shard = {"a": "A", "b": {"c": "C", "d": "D"}}                # stand-ins: any leaf object passes through
+    tx = transfer.masked(optax.adamw(1e-3), {"a": True, "b": {"c": False, "d": True}})
+    state = jax.eval_shape(tx.init, params)
+    got = sharding.like_params(state, params, shard, "rep")
+    flat = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(got)[0]}
+    moments = {k: s for k, s in flat.items() if "mu" in k or "nu" in k}
+    assert sorted(moments.values()) == ["A", "A", "D", "D"]                # no state for the frozen 'c'
+    assert all(s == "rep" for k, s in flat.items() if k not in moments)

@@ -212,13 +212,14 @@ def _causal_chunk(refs, i, c, pq, cq, pk, ck):
 
 
 def _causal_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                      o_ref, g_ref, lden_ref, tau_ref, sin_ref, zin_ref, dxq_ref, drq_ref, ug_ref, ud_ref, *, c):
+                      o_ref, g_ref, lden_ref, tau_ref, sin_ref, zin_ref, dxq_ref, drq_ref, *sum_refs, c):
     """∂l_q in sequence order from the prefix state the forward pass carried (the earlier segments' as it
-    entered this one); also the segment's own query sums U_s = Σ_i exp(l_q(i) + R − log den_i)[g_i, −δ_i]
-    on the reference R of its first chunk, which the key sweeps of the earlier segments read."""
+    entered this one); with `sum_refs` (ug, ud: a call of several segments) also the segment's own query
+    sums U_s = Σ_i exp(l_q(i) + R − log den_i)[g_i, −δ_i] on the reference R of its first chunk, which the
+    key sweeps of the earlier segments read (one segment has no earlier one: the sums are not formed)."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
     refs = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref)
-    first = tau_ref[0, :]
+    first = tau_ref[0, :] if sum_refs else None
 
     def body(i, carry):
         t, z, ug, ud = carry
@@ -231,14 +232,18 @@ def _causal_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq
         keep = jnp.exp(tau0 - jnp.maximum(tau0, jnp.max(lk, axis=0)))[:, None]
         # this chunk's rows on the segment's first reference (τ0 ≥ it once a key was seen; rows before any
         # key have r = 0)
-        fr = fq * (r[:, None] * jnp.exp(jnp.minimum(first - tau0, 0.0))[None, :])
-        return ((t + _dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0],
-                ug + _dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0))
+        t, z = (t + _dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
+        if sum_refs:
+            fr = fq * (r[:, None] * jnp.exp(jnp.minimum(first - tau0, 0.0))[None, :])
+            ug, ud = ug + _dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
+        return t, z, ug, ud
 
-    init = (sin_ref[...], zin_ref[...], jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32))
+    shapes = [ref.shape for ref in sum_refs] or [(1, 1), (1,)]
+    init = (sin_ref[...], zin_ref[...], *(jnp.zeros(s, F32) for s in shapes))
     _, _, ug, ud = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
-    ug_ref[...] = ug
-    ud_ref[...] = ud
+    if sum_refs:
+        sum_refs[0][...] = ug
+        sum_refs[1][...] = ud
 
 
 def _causal_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
@@ -533,11 +538,14 @@ def _core_bwd(causal, c, fb, segs, interpret, num_warps, precision, residuals, c
                   (cq, "const"), (pk, "proj"), (ck, "const"), (out, "rows"), (g, "rows"), (lden, "rows"),
                   (taus, "chunk_feat")]
         grid = (b, h, nb, sk)
-        dxq, drq, ug, ud = call(_causal_dq_kernel, common + [(sin, "seg_cols"), (zin, "seg_feat")],
-                                q_outs + _state_outs(b, h, sk, f, dv)[1:], grid)
+        sums = _state_outs(b, h, sk, f, dv)[1:] if sk > 1 else []
+        dxq, drq, *parts = call(_causal_dq_kernel, common + [(sin, "seg_cols"), (zin, "seg_feat")],
+                                q_outs + sums, grid)
         first = taus[:, :, ::taus.shape[2] // sk]
         nxt = jnp.concatenate([first[:, :, 1:], taus[:, :, -1:]], axis=2)
-        ugin, udin = _suffix(first, nxt, ug, ud)
+        # no segment after the last: one segment's key sweep starts from nothing
+        ugin, udin = _suffix(first, nxt, *parts) if sk > 1 else (jnp.zeros((b, h, 1, f, dv), F32),
+                                                                 jnp.zeros((b, h, 1, f), F32))
         dxk, drk, dvv = call(_causal_dk_kernel, common + [(ugin, "seg_cols"), (udin, "seg_feat"), (nxt, "seg_feat")],
                              k_outs, grid)
     else:

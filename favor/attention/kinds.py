@@ -322,12 +322,12 @@ class LearnedAttention(FeatureAttention):
     def __init__(self, **options):
         super().__init__(**options)
         f = options.get("num_features", self.OPTIONS["num_features"])
-        if not isinstance(f, int) or isinstance(f, bool) or f < self.MIN_FEATURES or f % self.FEATURE_STEP:
+        if not isinstance(f, int) or isinstance(f, bool) or f < self.FEATURE_STEP or f % self.FEATURE_STEP:
             raise ValueError(f"{self.name}: num_features must be a positive multiple of {self.FEATURE_STEP}; "
                              f"got {f!r}")
         self.num_features, self.seed = f, int(options.get("seed", 0))
 
-    MIN_FEATURES = FEATURE_STEP = 1
+    FEATURE_STEP = 1           # F is a multiple of it (Hedgehog's two halves: 2)
 
     def feature_dim(self, dim):
         return self.num_features
@@ -366,7 +366,6 @@ class HedgehogAttention(LearnedAttention):
 
     name = "hedgehog"
     FEATURE_STEP = 2
-    MIN_FEATURES = 2
 
     def init_weights(self, key, heads, dim):
         return self._start(key, (2, heads, dim, self.num_features // 2), dim)
@@ -390,7 +389,6 @@ class T2RAttention(LearnedAttention):
 
     name = "t2r"
     finite_features = False
-    CAUSAL_CHUNK = 128
 
     def init_weights(self, key, heads, dim):
         w = self._start(key, (heads, dim, self.num_features), dim)

@@ -20,6 +20,7 @@ from favor.bench import sections
 from favor.bench.common import ints
 from favor.models import lora
 from favor.train import optim
+from favor.train.loop import num_params, trained_params
 from favor.uptrain import transfer
 
 PRESETS = ("mini", "small", "gpt2")
@@ -44,7 +45,7 @@ def measure(preset, ranks, kind):
     attention = {"kind": kind, "num_features": 256}
     full_model = nnx.eval_shape(lambda: models.get("decoder", preset, attention=attention, rngs=nnx.Rngs(0)))
     params = nnx.state(full_model, nnx.Param)
-    row = {"preset": preset, "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
+    row = {"preset": preset, "params": num_params(params),
            "param_bytes": _bytes(params), "full": _bytes(jax.eval_shape(tx.init, params)), "lora": {}}
     for rank in ranks:
         def build(rank=rank):
@@ -53,7 +54,7 @@ def measure(preset, ranks, kind):
             return model
         p = nnx.state(nnx.eval_shape(build), nnx.Param)
         mask = transfer.trainable_mask(p, "lora")
-        trained = int(sum(np.prod(x.shape) for x, m in zip(jax.tree.leaves(p), jax.tree.leaves(mask)) if m))
+        trained = trained_params(p, mask)
         row["lora"][str(rank)] = {"trainable": trained, "optimizer_bytes": _bytes(
             jax.eval_shape(transfer.masked(tx, mask).init, p))}
     return row

@@ -47,6 +47,11 @@ def is_qk_norm_param(path: str) -> bool:
     return any(part in QK_NORM_PARAMS for part in path.split("."))
 
 
+def is_feature_map_param(path: str) -> bool:
+    """Whether dotted parameter `path` is a learned kind's feature map (SelfAttention.feature_map)."""
+    return path.endswith("attention.feature_map")
+
+
 def meta(*axes):
     for a in axes:
         if a is not None and a not in AXES:

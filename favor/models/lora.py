@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -30,30 +29,25 @@ def is_lora_param(path: str) -> bool:
     return bool(PARAM.search(path))
 
 
-def targets(model, pattern: str) -> list[str]:
-    """The dotted paths of the projections `pattern` (a regular expression searched in them) selects."""
-    regex = re.compile(pattern)
-    return [".".join(map(str, path)) for path, m in nnx.iter_graph(model)
-            if isinstance(m, Dense) and regex.search(".".join(map(str, path)))]
-
-
 def add(model, rank: int, alpha: float, pattern: str = DEFAULT_TARGETS, *, rngs: nnx.Rngs) -> list[str]:
-    """Give every projection `pattern` selects a rank-`rank` adapter scaled by alpha / rank (A drawn
-    He-uniform, B zero); returns their paths. An error when it selects none."""
-    chosen = set(targets(model, pattern))
+    """Give every projection `pattern` (a regular expression searched in its dotted path) selects a
+    rank-`rank` adapter scaled by alpha / rank (A drawn He-uniform, B zero); returns their paths. An
+    error naming the model's projections when it selects none."""
+    regex = re.compile(pattern)
+    projections = {".".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, Dense)}
+    chosen = sorted(p for p in projections if regex.search(p))
     if not chosen:
-        names = [".".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, Dense)]
+        names = sorted(projections)
         raise ValueError(f"LoRA targets {pattern!r} select no projection of this model; its projections: "
                          f"{', '.join(names[:8])}{', …' if len(names) > 8 else ''}")
-    for path, m in list(nnx.iter_graph(model)):
-        if ".".join(map(str, path)) not in chosen:
-            continue
+    for path in chosen:
+        m = projections[path]
         din, dout = m.kernel.shape
         axes = m.kernel.get_metadata().get("logical_axes", (None, None))
         m.lora = nnx.LoRA(din, rank, dout, dtype=m.dtype, param_dtype=m.param_dtype, rngs=rngs,
                           a_metadata=meta(axes[0], None), b_metadata=meta(None, axes[1]))
         m.lora_scale = float(alpha) / int(rank)
-    return sorted(chosen)
+    return chosen
 
 
 def merged_kernel(kernel, a, b, scale: float):
@@ -71,12 +65,4 @@ def merge(flat: dict, scale: float) -> dict:
     return out
 
 
-def trainable_count(params, mask) -> tuple[int, int]:
-    """(parameters the mask trains, all parameters)."""
-    sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
-    chosen = [s for s, m in zip(sizes, jax.tree.leaves(mask)) if m]
-    return sum(chosen), sum(sizes)
-
-
-__all__ = ["DEFAULT_TARGETS", "add", "is_lora_param", "merge", "merged_kernel", "targets",
-           "trainable_count"]
+__all__ = ["DEFAULT_TARGETS", "add", "is_lora_param", "merge", "merged_kernel"]

@@ -77,9 +77,8 @@ def make(o, total_steps: int, params=None, num_layers: int | None = None):
     if o.layer_decay != 1.0:
         if params is None or num_layers is None:
             raise ValueError("optim.layer_decay needs the parameter tree and the number of layers")
-        # labels of whatever tree it is given (a callable): inside favor.uptrain.transfer.masked it sees the
-        # trained parameters only
-        labels = lambda p: jax.tree.map(lambda i: f"depth{i}", layer_ids(p, num_layers))
+        ids = layer_ids(params, num_layers)
+        labels = jax.tree.map(lambda i: f"depth{i}", ids)
         scales = {f"depth{i}": optax.scale(o.layer_decay ** (num_layers + 1 - i)) for i in range(num_layers + 2)}
         parts.append(optax.multi_transform(scales, labels))
     return optax.chain(*parts), lr

@@ -31,7 +31,7 @@ from favor import attention as attention_lib
 from favor import models
 from favor.checkpoint import fingerprint
 from favor.models import lora
-from favor.models.layers import is_qk_norm_param
+from favor.models.layers import is_feature_map_param, is_qk_norm_param
 
 log = logging.getLogger("favor.train")
 
@@ -178,7 +178,7 @@ def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str],
                                  f"source and {want[path][0]} in this config's model{hint}")
             load.append(path)
         elif (path.startswith(HEAD_PREFIXES) or is_qk_norm_param(path) or lora.is_lora_param(path)
-              or path.endswith("attention.feature_map")):
+              or is_feature_map_param(path)):
             # a new head, qk_norm's parameters on a source without them, adapters, or a learned kind's
             # feature map on a source of another kind
             fresh.append(path)
@@ -215,8 +215,8 @@ def load_params(config, origin: Origin, params, shardings):
     tree = ocp.StandardCheckpointer().metadata(ckpt.directory / "state").item_metadata
     tree = getattr(tree, "tree", tree)
     wanted = set(load) | set(adapters)
-    some = next(iter(sh_flat.values()))
-    replicated = jax.sharding.NamedSharding(some.mesh, jax.sharding.PartitionSpec()) if hasattr(some, "mesh") else some
+    # a source adapter has no place in the new model: read whole on every device, folded below
+    replicated = jax.sharding.NamedSharding(next(iter(sh_flat.values())).mesh, jax.sharding.PartitionSpec())
 
     def target(path, leaf):
         key = dotted(path)

@@ -11,10 +11,10 @@ to that same input, and the loss is the sum over layers of the mean squared diff
 does not feed the next during this stage.
 
 `config.uptrain`: transfer_steps (0 = no transfer stage), trainable ("query_key": the attention layers'
-query and key projections; "all"; "feature_maps": a learned kind's maps (hedgehog, t2r); "lora": LoRA adapters (favor.models.lora) and what `lora_also` selects,
-in this stage and in the training after it, every other parameter frozen; or a regular expression
-searched in the dotted parameter paths), lr (the stage's Adam learning rate, cosine-decayed over the
-stage). `stage` gives the run its stage
+query and key projections; "all"; "feature_maps": a learned kind's maps (hedgehog, t2r); "lora": LoRA
+adapters (favor.models.lora) and what `lora_also` selects, in this stage and in the training after it,
+every other parameter frozen; or a regular expression searched in the dotted parameter paths), lr (the
+stage's Adam learning rate, cosine-decayed over the stage). `stage` gives the run its stage
 (favor.train.stage): the teacher's parameters are its train-state entry "teacher".
 """
 
@@ -93,8 +93,8 @@ NAMED = {"query_key": r"attention\.(query|key)\.", "all": r"", "feature_maps": r
 
 def trainable_mask(params, pattern: str, also: str = ""):
     """A bool per parameter leaf: does `pattern` ("query_key", "all", "feature_maps", "lora": the
-    adapters, or a regular expression searched in the dotted parameter path) select it; with "lora", `also` (a regular
-    expression) adds parameters that train beside the adapters."""
+    adapters, or a regular expression searched in the dotted parameter path) select it; with "lora",
+    `also` (a regular expression) adds parameters that train beside the adapters."""
     if pattern == "lora":
         extra = re.compile(also) if also else None
         pick = lambda path: lora.is_lora_param(path) or bool(extra and extra.search(path))
