@@ -135,7 +135,7 @@ def attention(kind: str, num_features: int, redraw: str = "", **options) -> dict
     runs), but a value here would override every kind's own (an "orthogonal" here would make simrf run
     FAVOR+)."""
     return {"kind": kind, "num_features": int(num_features), "coupling": "", "redraw": redraw, "window": 0,
-            "impl": "",
+            "window_mix": "shared", "impl": "",
             **{k: "" for k in attention_lib.SPEC_OPTIONS}, **qknorm.OPTIONS, **options}
 
 

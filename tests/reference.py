@@ -146,10 +146,32 @@ def pair_terms(attn, q, k, ctx):
     return _sym_terms(lx, None, ly, None)
 
 
-def with_window(terms, q, k, window, causal):
+def _band(lq, lk, window, causal):
+    rel = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + lk - lq)          # j − i in positions
+    return (rel >= -window) & (rel <= (0 if causal else window))
+
+
+def _scores(q, k):
+    d = q.shape[-1]
+    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
+    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    return np.einsum("bhid,bhjd->bhij", x, y)
+
+
+def mix_shift(q, k, window, causal, keep, log_mix):
+    """The learned (LoLCATs) mix's shift of the band's log-weights, log γ_h − m_i [B, H, Lq, 1], m_i the
+    largest q_iᵀk_j/√D over the band keys query i sees (`keep` [B, 1, Lq, Lk]); 0 where it sees none."""
+    s = _scores(q, k)
+    band = _band(s.shape[2], s.shape[3], window, causal)
+    m = np.max(np.where(band & keep, s, -np.inf), -1, keepdims=True)
+    lm = np.asarray(log_mix, np.float64)[None, :, None, None]
+    return np.where(np.isfinite(m), lm - m, 0.0)
+
+
+def with_window(terms, q, k, window, causal, shift=0.0):
     """The terms of the local-window hybrid: for pairs in the band (|i − j| ≤ w, causal i − w ≤ j ≤ i,
-    queries at the last positions) the one exact term exp(q_iᵀk_j/√D), every estimated term removed;
-    elsewhere the estimate's terms."""
+    queries at the last positions) the one exact term exp(q_iᵀk_j/√D + shift), every estimated term
+    removed; elsewhere the estimate's terms."""
     lt, st = terms[:2]
     lm = terms[2] if len(terms) > 2 else lt
     d = q.shape[-1]
@@ -158,7 +180,7 @@ def with_window(terms, q, k, window, causal):
     lq, lk = x.shape[2], y.shape[2]
     rel = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + lk - lq)          # j − i in positions
     band = (rel >= -window) & (rel <= (0 if causal else window))
-    exact = np.einsum("bhid,bhjd->bhij", x, y)[..., None]
+    exact = (np.einsum("bhid,bhjd->bhij", x, y) + shift)[..., None]
     pick = lambda on_band, off_band: np.concatenate(
         [np.where(band[..., None], -np.inf, off_band), np.where(band[..., None], on_band, -np.inf)], -1)
     lt2, lm2 = pick(exact, lt), pick(exact, lm)
@@ -166,22 +188,25 @@ def with_window(terms, q, k, window, causal):
     return lt2, st2, lm2
 
 
-def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0):
+def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0, log_mix=None):
     """(out [B, Lq, H, Dv], bound [B, Lq, H]): the float64 attention output of the estimator, and the
     size of a float rounding error relative to it, Σ|terms|·(|v| + |out|)/|den| (the ratio's condition;
     for positive kinds ≈ 2·max|v|). Rows with no valid key output 0. `window` > 0: the local-window
-    hybrid (exact weights on the band)."""
+    hybrid (exact weights on the band); `log_mix` log γ_h [H]: its learned mix (band weights
+    γ_h·exp(q_iᵀk_j/√D − m_i))."""
     terms = pair_terms(attn, q, k, ctx)
-    if window:
-        terms = with_window(terms, q, k, window, causal)
-    lt, st = terms[:2]
-    lm = terms[2] if len(terms) > 2 else lt
-    b, h, lq, lk, _ = lt.shape
+    b, lq, h = q.shape[:3]
+    lk = k.shape[1]
     keep = np.ones((b, 1, lq, lk), bool)
     if mask is not None:
         keep &= np.asarray(mask, bool)[:, None, None, :]
     if causal:
         keep &= np.tril(np.ones((lq, lk), bool), k=lk - lq)[None, None]
+    if window:
+        shift = 0.0 if log_mix is None else mix_shift(q, k, window, causal, keep, log_mix)
+        terms = with_window(terms, q, k, window, causal, shift)
+    lt, st = terms[:2]
+    lm = terms[2] if len(terms) > 2 else lt
     lt = np.where(keep[..., None], lt, -np.inf)
     lm = np.where(keep[..., None], lm, -np.inf)
     shift = np.max(lm, axis=(-2, -1), keepdims=True)
@@ -227,15 +252,18 @@ def _jensen(q, k, vv, keep):
         return np.where(n > 0, np.log(n) + np.sum(x * mean_y, -1), -np.inf), mean_v, lo, hi
 
 
-def explicit_attention(attn, q, k, v, mask=None, causal=False, rng=None, stats=None, window=0):
+def explicit_attention(attn, q, k, v, mask=None, causal=False, rng=None, stats=None, window=0, mix=None,
+                       draw=None):
     """The attention a feature kind computes, as the explicit L×L weights in jax float64, for gradients:
     W_ij = φ_q(i)ᵀφ_k(j) from the layer's own log-features and ω (exp(q_iᵀk_j/√D) on the window's
     band), then W V / W 1 with a plain division. It shares the feature map with the code under test,
     never its stabilisers, chunking, scans or guards: what its autodiff checks is the linear core's
-    backward pass. Call under jax.enable_x64."""
+    backward pass. `mix`: the learned window mix's logits [H] (band weights σ(mix_h)·exp(s_ij − m_i),
+    m_i the row's largest band score, its gradient kept). Call under jax.enable_x64."""
+    import jax
     import jax.numpy as jnp
     f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
-    ctx = attn.context(q, k, mask, rng, None, None, None, stats, causal) if hasattr(attn, "mech") else None
+    ctx = attn.context(q, k, mask, rng, None, None, None, stats, causal) if hasattr(attn, "mech") else draw
     (lq, sq), (lk, sk) = attn.log_maps(q, k, ctx)
     lq, sq, lk, sk = map(f64, (lq, sq, lk, sk))
     fq = jnp.exp(lq) * (1.0 if sq is None else sq)
@@ -243,15 +271,20 @@ def explicit_attention(attn, q, k, v, mask=None, causal=False, rng=None, stats=N
     w = jnp.einsum("bhif,bhjf->bhij", fq, fk)
     l_q, l_k = q.shape[1], k.shape[1]
     rel = jnp.arange(l_k)[None, :] - (jnp.arange(l_q)[:, None] + l_k - l_q)    # j − i in positions
-    if window:
-        x, y = map(f64, attn.scaled(q, k))
-        band = (rel >= -window) & (rel <= (0 if causal else window))
-        w = jnp.where(band, jnp.exp(jnp.einsum("bhid,bhjd->bhij", x, y)), w)
     keep = jnp.ones((1, 1, l_q, l_k), bool)
     if mask is not None:
         keep = keep & jnp.asarray(mask, bool)[:, None, None, :]
     if causal:
         keep = keep & (rel <= 0)
+    if window:
+        scale = q.shape[-1] ** -0.25
+        x, y = (jnp.swapaxes(f64(a), 1, 2) * scale for a in (q, k))
+        band = (rel >= -window) & (rel <= (0 if causal else window))
+        s = jnp.einsum("bhid,bhjd->bhij", x, y)
+        if mix is not None:
+            m = jnp.max(jnp.where(band & keep, s, -jnp.inf), -1, keepdims=True)
+            s = s - jnp.where(jnp.isfinite(m), m, 0.0) + jax.nn.log_sigmoid(f64(mix))[None, :, None, None]
+        w = jnp.where(band, jnp.exp(s), w)
     w = jnp.where(keep, w, 0.0)
     num, den = w @ jnp.swapaxes(f64(v), 1, 2), jnp.sum(w, -1, keepdims=True)
     low = jnp.zeros(den.shape, bool)

@@ -646,6 +646,9 @@ def test_learned_kinds_have_no_dropin():
     for kind in LEARNED:
         with pytest.raises(ValueError, match="learned feature map.*SelfAttention"):
             attention.attention_fn(kind)
+    # the window's learned mix is a parameter too
+    with pytest.raises(ValueError, match="window_mix='learned' trains a mixing weight per head"):
+        attention.attention_fn("favor+", window=4, window_mix="learned")
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in LEARNED])

@@ -268,9 +268,12 @@ def test_lora_uptrains_a_vit_with_its_base_frozen(softmax_run, tmp_path):
 def test_learned_feature_maps_train_alone_in_attention_transfer(softmax_run, tmp_path, kind):
     """A softmax ViT continued as a learned kind: its feature maps start fresh (the source has none),
     trainable="feature_maps" moves them alone in the transfer stage (LoLCATs' first stage), and the
-    attention error against softmax falls."""
+    attention error against softmax falls. Hedgehog runs with a band and LoLCATs' learned mix, whose
+    logits start fresh and train with the maps."""
     config = tiny(kind, total_steps=16, checkpoint_every=16, eval_every=16)
     config.model.attention.num_features = 32
+    if kind == "hedgehog":
+        config.model.attention.update(window=2, window_mix="learned")
     config.model.init_from = f"run:{softmax_run}"
     config.uptrain.update(transfer_steps=16, lr=1e-2, trainable="feature_maps")
     summary = job.run(config, tmp_path)
@@ -279,7 +282,8 @@ def test_learned_feature_maps_train_alone_in_attention_transfer(softmax_run, tmp
     source, got = saved_params(softmax_run / "checkpoints", 48), state_params(summary.state["params"])
     teacher = state_params(summary.state["teacher"])
     moved = {p for p in got if p not in source or not np.array_equal(source[p], got[p])}
-    assert moved == {"layers.0.attention.feature_map"}
+    maps = {"layers.0.attention.feature_map"} | ({"layers.0.attention.window_mix"} if kind == "hedgehog" else set())
+    assert moved == maps
     assert not np.array_equal(teacher["layers.0.attention.feature_map"], got["layers.0.attention.feature_map"])
 
 

@@ -228,3 +228,117 @@ def test_config_override_reaches_the_layer():
     config.model.attention.window = -2
     with pytest.raises(configlib.ConfigError, match="model.attention.window"):
         configlib.validate(config)
+
+
+# -- every linear kind takes the band; the learned (LoLCATs) mix ------------------------------------------
+MIX = jnp.asarray([0.7, -2.5])            # logits for 2 heads, away from the start (γ 0.67 and 0.08)
+
+
+def check_mixed(attn, q, k, v, mask, causal, mix, rng=None, stats=None, rtol=2e-4):
+    out = attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats, mix=mix)
+    ctx = context_of(attn, q, k, mask, rng, causal, stats)
+    log_mix = None if not attn.mixes else np.log(1.0 / (1.0 + np.exp(-np.asarray(
+        attn.mix_init(q.shape[2]) if mix is None else mix, np.float64))))
+    ref, cond = reference.attention(attn, q, k, v, ctx, mask, causal, window=attn.window, log_mix=log_mix)
+    out = np.asarray(out, np.float64)
+    bound = rtol * cond[..., None] + 1e-30
+    bad = np.abs(out - ref) > bound
+    assert not bad.any(), (attn.name, causal, float(np.max(np.abs(out - ref) / bound)), np.argwhere(bad)[:3])
+    return out
+
+
+@pytest.mark.parametrize("mix", ["shared", "learned"])
+@pytest.mark.parametrize("kind", ["elu", "hedgehog", "t2r", "favor+"])
+def test_every_linear_kind_takes_the_band(kind, mix):
+    """ELU and the learned maps (their inputs unscaled, the band's scaled) and FAVOR+, each mix, against
+    the float64 form with padding, bidirectional and causal; the learned mix at its start (mix=None) and
+    at per-head logits away from it."""
+    attn = make(kind, chunk_size=4, window=2, window_mix=mix, num_features=8 if kind != "favor+" else 16)
+    q, k, v = qkv(scale=1.0, seed=3)
+    for causal in (False, True):
+        for m in ((None, MIX) if mix == "learned" else (None,)):
+            check_mixed(attn, q, k, v, key_mask(), causal, m, rng=jax.random.PRNGKey(3))
+
+
+def test_the_learned_mix_weighs_the_band():
+    """As γ → 1 the band's weights exp(s − m_i) ≤ 1 stay; as γ → 0 the band vanishes and the output is the
+    linear part alone (the kind without a window but over the off-band keys only, checked at row 0 of a
+    causal pass, which sees its own key alone: the band's only key, so any γ gives v_0)."""
+    attn = make("hedgehog", chunk_size=4, window=2, window_mix="learned", num_features=8)
+    q, k, v = qkv(b=1, seed=8)
+    out = attn(q, k, v, causal=True, mix=jnp.asarray([-40.0, -40.0]))
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(v[:, 0]), rtol=1e-5, atol=1e-6)
+    # γ = e^-40: the band keys carry nothing wherever an off-band key exists: rows t ≥ 3 are the plain
+    # linear attention over keys ≤ t − 3, written here from the map's float64 features
+    x = np.swapaxes(np.asarray(q, np.float64), 1, 2)
+    y = np.swapaxes(np.asarray(k, np.float64), 1, 2)
+    w = np.asarray(attn.init_weights(jax.random.PRNGKey(attn.seed), 2, 8), np.float64)
+    soft = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    fq = np.concatenate([soft(x @ w[0]), soft(-(x @ w[0]))], -1)
+    fk = np.concatenate([soft(y @ w[1]), soft(-(y @ w[1]))], -1)
+    a = np.einsum("bhif,bhjf->bhij", fq, fk) * (np.arange(9)[None, :] <= np.arange(9)[:, None] - 3)
+    want = np.einsum("bhij,bhjd->bhid", a, np.swapaxes(np.asarray(v, np.float64), 1, 2))
+    want = want / np.maximum(a.sum(-1, keepdims=True), 1e-300)
+    np.testing.assert_allclose(np.asarray(out)[:, 3:], np.swapaxes(want, 1, 2)[:, 3:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_learned_mix_gradients_equal_those_of_the_explicit_form(causal):
+    """d/d(q, k, v, mix) of the learned mix (hedgehog, padding) against float64 autodiff of the explicit
+    L×L form, whose band weight σ(a_h)·exp(s_ij − m_i) keeps m_i's gradient (part of the function)."""
+    attn = make("hedgehog", chunk_size=4, window=2, window_mix="learned", num_features=8)
+    q, k, v = qkv(seed=6, scale=1.0)
+    mask = key_mask()
+    lin = jax.random.normal(jax.random.PRNGKey(1), v.shape)
+    got = jax.jit(jax.grad(lambda q, k, v, m: jnp.sum(attn(q, k, v, mask=mask, causal=causal, mix=m) * lin),
+                           (0, 1, 2, 3)))(q, k, v, MIX)
+    with jax.enable_x64(True):
+        w = jnp.asarray(attn.init_weights(jax.random.PRNGKey(attn.seed), 2, 8), jnp.float64)
+        loss = lambda q, k, v, m: jnp.sum(reference.explicit_attention(
+            attn, q, k, v, mask, causal, window=2, mix=m, draw=w) * lin)
+        want = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v, MIX)))
+    for name, a, b in zip(("q", "k", "v", "mix"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-4, err_msg=f"d{name}")
+    assert float(jnp.max(jnp.abs(got[3]))) > 1e-3            # the mix is trained by this loss
+
+
+@pytest.mark.parametrize("kind", ["favor+", "hedgehog", "elu"])
+def test_learned_mix_decoding_equals_the_causal_pass(kind):
+    """Token by token with the learned mix (and ELU's / hedgehog's band on scaled inputs) equals the
+    causal pass, a padded token included; prefills of every length decode on to the same outputs; a
+    future token moves no past output, bit for bit."""
+    attn = make(kind, chunk_size=4, window=3, window_mix="learned", num_features=8 if kind != "favor+" else 16)
+    d, l = 8, 9
+    q, k, v = qkv(lq=l, lk=l, d=d, scale=1.5)
+    valid = jnp.ones((2, l), bool).at[1, 3].set(False)
+    full = attn(q, k, v, mask=valid, causal=True, mix=MIX)
+    ctx = attn.decode_context(d)
+    step = jax.jit(lambda s, q, k, v, valid: attn.decode_step(s, q, k, v, ctx, valid=valid, mix=MIX))
+    prefill = jax.jit(attn.decode_prefill)
+    for p in (0, 2, 5):
+        state = prefill(k[:, :p], v[:, :p], ctx, valid[:, :p])
+        outs = []
+        for t in range(p, l):
+            o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], valid[:, t])
+            outs.append(o)
+        np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full[:, p:]), rtol=2e-4,
+                                   atol=2e-5, err_msg=f"prompt {p}")
+    t = 5
+    k2 = k.at[:, t + 1:].set(-3.0 * k[:, t + 1:])
+    v2 = v.at[:, t + 1:].set(100.0)
+    for path in ("fast", "exact"):
+        a = make(kind, chunk_size=4, window=3, window_mix="learned", causal_path=path,
+                 num_features=8 if kind != "favor+" else 16)
+        np.testing.assert_array_equal(np.asarray(a(q, k, v, causal=True, mix=MIX))[:, :t + 1],
+                                      np.asarray(a(q, k2, v2, causal=True, mix=MIX))[:, :t + 1], err_msg=path)
+
+
+def test_mix_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="unknown window_mix 'lolcats'; valid: 'shared', 'learned'"):
+        attention.get("favor+", window=4, window_mix="lolcats")
+    with pytest.raises(ValueError, match="favor: window_mix='learned' needs a positive kind"):
+        attention.get("favor", window=4, window_mix="learned")
+    assert not attention.get("favor+", window_mix="learned").mixes          # no band, nothing to mix
+    attn = attention.get("elu", window=2, window_mix="learned")
+    assert attn.mixes
+    np.testing.assert_allclose(np.asarray(jax.nn.sigmoid(attn.mix_init(3))), 0.1, rtol=1e-6)   # LoLCATs' start

@@ -85,6 +85,9 @@ def attention_fn(kind, stats=None, **options):
     if getattr(attn, "learned", False):
         raise ValueError(f"attention_fn: {kind!r} has a learned feature map, whose weights are parameters, and "
                          "an attention_fn owns none; use favor's SelfAttention (favor.models), which holds them")
+    if getattr(attn, "mixes", False):
+        raise ValueError(f"attention_fn: window_mix='learned' trains a mixing weight per head, a parameter an "
+                         "attention_fn does not own; use window_mix='shared' or favor's SelfAttention (favor.models)")
     # qk_norm="l2": an attention_fn owns no parameters, so the sphere's radius is the constant qk_radius
     # here (favor's own attention layer learns one per head)
     sphere = (lambda q, k: qknorm.on_sphere(q, k, jnp.full((q.shape[-2],), float(qk["qk_radius"])))) \

@@ -126,10 +126,19 @@ class FeatureAttention(Attention, abc.ABC):
     ("auto", "fast", "exact": see favor.attention.linear.causal_maps; "auto" is exact for any input;
     for ReLU/ELU "auto" is linear.causal_plain, their features used without log space, where their
     range allows) and
-    causal_span (tokens per step of the causal scan, a whole number of chunks; None: 512)."""
+    causal_span (tokens per step of the causal scan, a whole number of chunks; None: 512).
+
+    `window` w > 0 makes the weights exact softmax exp(qᵀk/√D) for |i − j| ≤ w (causal: the last w + 1
+    keys) and the kind's feature products for every other key (favor.attention.window). `window_mix`
+    says how the two parts meet: "shared" (one normaliser over both: for the random-feature kinds, whose
+    products estimate exp(qᵀk/√D), an estimate of softmax with its band exact) or "learned" (LoLCATs:
+    the band's weights γ_h·exp(qᵀk/√D − m_i), m_i the row's largest band score, beside the unscaled
+    feature products, one normaliser; γ_h = sigmoid(mix logit) per head, a parameter of the layer, passed
+    as `mix`; positive kinds only)."""
 
     positive = True
-    OPTIONS = {"chunk_size": None, "causal_path": "auto", "causal_span": None}
+    OPTIONS = {"chunk_size": None, "causal_path": "auto", "causal_span": None, "window": 0,
+               "window_mix": "shared"}
     BIDIRECTIONAL_CHUNK = "auto"   # the bidirectional pass's default (linear.bidirectional_maps; None: whole L)
     CAUSAL_CHUNK = linear.CAUSAL_CHUNK   # the causal pass's default chunk
     # The fast causal path's guarantee needs every key log-feature finite (each feature's reference is
@@ -154,6 +163,56 @@ class FeatureAttention(Attention, abc.ABC):
         if self.causal_path not in linear.PATHS:
             raise ValueError(f"{self.name}: unknown causal_path {self.causal_path!r}; "
                              f"valid: {', '.join(linear.PATHS)}")
+        self.window = window_lib.check_window(self.name, options.get("window", 0))
+        self.window_mix = _choice(self.name, "window_mix", options.get("window_mix", "shared"),
+                                  window_lib.MIXES)
+        self._check_mix()
+
+    @property
+    def mixes(self):
+        """Whether the layer holding this kind keeps a learned window mix (`mix_init`, passed as `mix`)."""
+        return bool(self.window) and self.window_mix == "learned"
+
+    def _check_mix(self):
+        # the sign-indefinite kinds' floor bounds a denominator of softmax's scale, which the learned
+        # mix's rescaled band is not
+        if self.window_mix == "learned" and not self.positive:
+            raise ValueError(f"{self.name}: window_mix='learned' needs a positive kind (its denominator "
+                             "has no floor); window_mix='shared' runs it")
+
+    def mix_init(self, heads):
+        """The learned window mix's initial logits [heads]: γ = sigmoid(logit) = window_lib.MIX_START."""
+        return jnp.full((heads,), window_lib.MIX_LOGIT, jnp.float32)
+
+    def band_inputs(self, q, k):
+        """x, y [B, H, L, D] float32 with xᵀy = qᵀk/√D: what the window's exact band reads."""
+        s = q.shape[-1] ** -0.25
+        return _to_bhld(q).astype(jnp.float32) * s, _to_bhld(k).astype(jnp.float32) * s
+
+    def _log_mix(self, mix, heads):
+        """log γ_h [H] of the learned window mix (`mix`: the logits; None: the initial ones); None for
+        the shared normaliser."""
+        if not self.mixes:
+            return None
+        return jax.nn.log_sigmoid(self.mix_init(heads) if mix is None else jnp.asarray(mix, jnp.float32))
+
+    def _window_path(self):
+        # maps with exact zero features have no reference the fast log-space path is guaranteed to
+        # reach (see ElementwiseAttention); their off-band pass takes the exact one
+        return self.causal_path if self.finite_features or self.causal_path != "auto" else "exact"
+
+    def _windowed(self, q, k, v, mask, causal, ctx, mix):
+        if not causal and q.shape[1] != k.shape[1]:
+            raise ValueError(f"{self.name} with window={self.window}: the band relates positions of one "
+                             f"sequence, so bidirectional attention needs Lq = Lk; got {q.shape[1]} and {k.shape[1]}")
+        x, y = self.inputs(q, k)
+        band = self.band_inputs(q, k)
+        vv = _to_bhld(v)
+        out = window_lib.attend(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.window,
+                                causal, self.chunk_size, self._window_path(), self.causal_span,
+                                self.floor(x, y, vv, mask, causal, ctx), band=band,
+                                log_mix=self._log_mix(mix, q.shape[2]))
+        return _to_bhld(out).astype(v.dtype)
 
     def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None, stats=None,
                 causal=False):
@@ -183,12 +242,15 @@ class FeatureAttention(Attention, abc.ABC):
         """F for head dim `dim`."""
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
-                 stats=None):
-        """`draw`: a stored `base_draw` (random-feature kinds) used instead of drawing from rng."""
+                 stats=None, mix=None):
+        """`draw`: a stored `base_draw` (random-feature kinds) or a learned map's weights, used instead of
+        drawing from rng; `mix`: the learned window mix's logits [H] (window_mix='learned')."""
         check_qkv(q, k, v, mask, query_mask)
         if causal:
             check_causal_lengths(q, k)
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
+        if self.window:
+            return self._windowed(q, k, v, mask, causal, ctx, mix)
         vv = _to_bhld(v)
         x, y = self.inputs(q, k)
         floor = self.floor(x, y, vv, mask, causal, ctx)
@@ -233,6 +295,9 @@ class FeatureAttention(Attention, abc.ABC):
         return None
 
     def decode_init(self, batch, heads, dim, dv):
+        if self.window:
+            return window_lib.decode_init(batch, heads, self.feature_dim(dim), dim, dv, self.window,
+                                          signed=not self.positive)
         return linear.decode_init(batch, heads, self.feature_dim(dim), dv, None if self.positive else dim)
 
     def decode_prefill(self, k, v, ctx=None, valid=None):
@@ -242,14 +307,24 @@ class FeatureAttention(Attention, abc.ABC):
             return self.decode_init(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
         _, y = self.inputs(k, k)
         lk, sk = self.key_map(ctx, y)            # keys only: a prompt's queries are the causal pass's
+        if self.window:
+            _, yb = self.band_inputs(k, k)
+            return window_lib.decode_prefill(lk, sk, yb, _to_bhld(v), self.window, valid,
+                                             signed=not self.positive)
         return linear.decode_prefill(lk, sk, _to_bhld(v), valid, None if self.positive else k.shape[-1], y)
 
-    def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
+    def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None, mix=None):
         """One token: q_t, k_t [B, 1, H, D], v_t [B, 1, H, Dv], valid [B] or None ->
         (out [B, 1, H, Dv], state); equal to the causal pass token by token."""
         (lq, sq), (lk, sk) = self.log_maps(q_t, k_t, ctx)
-        x, y = self.inputs(q_t, k_t)
         first = lambda a: None if a is None else a[:, :, 0]
+        if self.window:
+            xb, yb = self.band_inputs(q_t, k_t)
+            out, state = window_lib.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk),
+                                                xb[:, :, 0], yb[:, :, 0], _to_bhld(v_t)[:, :, 0], valid,
+                                                self.positive, self._log_mix(mix, q_t.shape[2]))
+            return out[:, None].astype(v_t.dtype), state
+        x, y = self.inputs(q_t, k_t)
         out, state = linear.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk),
                                         _to_bhld(v_t)[:, :, 0], valid, self.positive, x[:, :, 0], y[:, :, 0])
         return out[:, None].astype(v_t.dtype), state
@@ -437,8 +512,8 @@ class RandomFeatureAttention(FeatureAttention):
     — always from `stats` in causal mode, where a fit on the sequence would read the future.
     `stats_momentum` is the running-average momentum of the statistics a causal model keeps.
 
-    `window` w > 0 makes the weights exact softmax for |i − j| ≤ w (causal: the last w + 1 keys) and the
-    kind's estimate for every other key, with one normaliser (favor.attention.window).
+    `window` as FeatureAttention's; with window_mix='shared' the band is exact and every other weight the
+    kind's estimate, under one normaliser: an estimate of softmax.
 
     `num_features` is the width F of the feature arrays for every kind (one cost): FAVOR+, FAVOR++,
     FAVOR#, SimRF draw F projections; trig F/2 frequencies (sin and cos); antithetic FAVOR+ F/2 pairs;
@@ -451,7 +526,7 @@ class RandomFeatureAttention(FeatureAttention):
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
                "fit_gradients": False, "chunk_size": None, "causal_path": "auto", "causal_span": None,
-               "stats_momentum": 0.99, "window": 0, "impl": "auto"}
+               "stats_momentum": 0.99, "window": 0, "window_mix": "shared", "impl": "auto"}
     mechanism = ""
     mechanism_options: dict[str, Any] = {}
 
@@ -467,9 +542,9 @@ class RandomFeatureAttention(FeatureAttention):
         self.stats_momentum = float(options.get("stats_momentum", 0.99))
         if not 0.0 <= self.stats_momentum < 1.0:
             raise ValueError(f"{self.name}: stats_momentum must be in [0, 1); got {self.stats_momentum!r}")
-        self.window = window_lib.check_window(self.name, options.get("window", 0))
         self.mech = kernels.get(self.mechanism, **self.mechanism_options)
         self.positive = self.mech.positive
+        self._check_mix()
         self.data_dependent = self.mech.data_dependent
         # one feature budget for every kind: num_features is the width F of the feature arrays (what the
         # [L, F] passes and the state cost); the mechanism's own count is derived from it
@@ -620,27 +695,14 @@ class RandomFeatureAttention(FeatureAttention):
         return _to_bhld(out).astype(v.dtype)
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
-                 stats=None):
+                 stats=None, mix=None):
         if self.uses_fused(causal, q, k):
             check_qkv(q, k, v, mask, query_mask)
             if causal:
                 check_causal_lengths(q, k)
             ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
             return self._fused_call(q, k, v, mask, causal, ctx)
-        if not self.window:
-            return super().__call__(q, k, v, mask, causal, rng, step, draw, query_mask, stats)
-        check_qkv(q, k, v, mask, query_mask)
-        if causal:
-            check_causal_lengths(q, k)
-        elif q.shape[1] != k.shape[1]:
-            raise ValueError(f"{self.name} with window={self.window}: the band relates positions of one "
-                             f"sequence, so bidirectional attention needs Lq = Lk; got {q.shape[1]} and {k.shape[1]}")
-        ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
-        x, y = self.scaled(q, k)
-        out = window_lib.attend(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, self.positive,
-                                self.window, causal, self.chunk_size, self.causal_path, self.causal_span,
-                                self.floor(x, y, _to_bhld(v), mask, causal, ctx))
-        return _to_bhld(out).astype(v.dtype)
+        return super().__call__(q, k, v, mask, causal, rng, step, draw, query_mask, stats, mix)
 
     def denominator_rows(self, q, k, mask=None, causal=False, ctx=None):
         """(den ≤ 0, den below the floor) [B, H, Lq] booleans: which rows' estimated denominators are not
@@ -663,33 +725,13 @@ class RandomFeatureAttention(FeatureAttention):
         floor = linear.jensen_floor(x, y, jnp.zeros((*y.shape[:3], 1), jnp.float32), mask, causal)
         return (den <= 0) & jnp.isfinite(scale), linear.below_floor(den[..., None], scale, floor)
 
-    def decode_init(self, batch, heads, dim, dv):
-        if not self.window:
-            return super().decode_init(batch, heads, dim, dv)
-        return window_lib.decode_init(batch, heads, self.feature_dim(dim), dim, dv, self.window,
-                                      signed=not self.positive)
-
     def decode_prefill(self, k, v, ctx=None, valid=None):
         if k.shape[1] and self.uses_fused(False, k, k):
             _, y = self.scaled(k, k)
             tau, total = fused.prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid,
                                        precision=self.kernel_precision)
             return {"tau": tau, "sum": total}
-        if not self.window or k.shape[1] == 0:
-            return super().decode_prefill(k, v, ctx, valid)
-        _, y = self.scaled(k, k)
-        lk, sk = self.key_map(ctx, y)
-        return window_lib.decode_prefill(lk, sk, y, _to_bhld(v), self.window, valid, signed=not self.positive)
-
-    def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None):
-        if not self.window:
-            return super().decode_step(state, q_t, k_t, v_t, ctx, valid)
-        (lq, sq), (lk, sk) = self.log_maps(q_t, k_t, ctx)
-        x, y = self.scaled(q_t, k_t)
-        first = lambda a: None if a is None else a[:, :, 0]
-        out, state = window_lib.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk), x[:, :, 0],
-                                            y[:, :, 0], _to_bhld(v_t)[:, :, 0], valid, self.positive)
-        return out[:, None].astype(v_t.dtype), state
+        return super().decode_prefill(k, v, ctx, valid)
 
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
         zeros = jnp.zeros((1, 1, 1, dim), jnp.float32)

@@ -42,7 +42,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     if at:
         if "window" not in cls.OPTIONS or not window.isdigit():
             raise ValueError(f"{spec!r}: the part after '@' is a window, a whole number of tokens, for a "
-                             f"random-feature kind; got {window!r}")
+                             f"linear kind (not softmax); got {window!r}")
         options["window"] = int(window)
     get(kind, **options)            # a bad variant fails here, with the values allowed
     return kind, options

@@ -8,7 +8,16 @@ For query i and key j (positions in one sequence; causal queries aligned to the 
 
 with x = q·D^(−1/4), y = k·D^(−1/4), so exp(xᵀy) = exp(qᵀk/√D). Off the band the weights are the
 kind's unbiased estimates, so the numerator and the denominator stay unbiased for softmax's; on the
-band they are exact. w ≥ L − 1 is exact softmax.
+band they are exact. w ≥ L − 1 is exact softmax. That is the "shared" mix. The "learned" one is
+LoLCATs' (Zhang et al., 2024):
+
+    w_ij = γ_h·exp(x_iᵀy_j − m_i)  on the band, m_i = max of x_iᵀy_j over the row's band keys
+    w_ij = φ_q(i)ᵀφ_k(j)           elsewhere, unscaled;       one normaliser as above
+
+γ_h = sigmoid(a_h) a learned per-head logit, started at γ = 0.1 (LoLCATs' start), so the band's weights
+are at most γ_h and the linear part's scale is the feature map's own: what a learned map (Hedgehog, T2R)
+needs, whose products approximate softmax's weights only up to a scale. m_i is part of that function,
+not a stabiliser: its gradient flows.
 
 How. The estimated part is the causal pass over keys shifted right by w + 1 positions (query i then
 sees exactly keys j ≤ i − w − 1); bidirectional adds the same over the reversed sequence (keys
@@ -22,6 +31,7 @@ that leaves the band into the linear state: the same result token by token.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +41,9 @@ from favor.attention.linear import F32, NEG_INF, finite_or, ones_column, ratio, 
 
 sg = jax.lax.stop_gradient
 MIN_BLOCK = 16            # the band's query block is max(w, MIN_BLOCK) tokens (at most L)
+MIXES = ("shared", "learned")
+MIX_START = 0.1           # the learned mix's γ at the start (LoLCATs': the band gets a small weight)
+MIX_LOGIT = math.log(MIX_START / (1.0 - MIX_START))
 
 
 def check_window(name, window):
@@ -68,6 +81,8 @@ def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_siz
 def _band(x, y, v1, has_key, left, right):
     """Exact Σ_{i − left ≤ j ≤ i + right, key j valid} exp(x_iᵀy_j)[v_j, 1]: (out [B, H, L, Dv+1],
     log-scale [B, H, L], −inf where the band holds no valid key). x, y [B, H, L, D], has_key [B, H, L].
+    out is on the scale's stopped value; the scale returned keeps its gradient (the row's band maximum,
+    which the learned mix reads).
 
     Blocks of c ≥ max(left, right) queries, so block n meets at most key blocks n − 1, n and n + 1: one
     [c, c] matmul per neighbour with its own fixed mask (a separate product per neighbour rather than one
@@ -100,8 +115,8 @@ def _band(x, y, v1, has_key, left, right):
         scores = jnp.einsum("bhnid,bhnjd->bhnij", xb, moved(yb, t))
         logits.append(jnp.where(keep, scores, NEG_INF))
         values.append(moved(vb, t))
-    m = sg(functools.reduce(jnp.maximum, [jnp.max(z, axis=-1) for z in logits]))   # −inf: no key in band
-    mf = finite_or(m)[..., None]
+    m = functools.reduce(jnp.maximum, [jnp.max(z, axis=-1) for z in logits])   # −inf: no key in band
+    mf = finite_or(sg(m))[..., None]
     out = sum(jnp.einsum("bhnij,bhnjd->bhnid", jnp.exp(z - mf), vz) for z, vz in zip(logits, values))
     return out.reshape(b, h, n * c, -1)[:, :, :l], m.reshape(b, h, n * c)[:, :, :l]
 
@@ -121,16 +136,27 @@ def _combined_ratio(parts, positive, drop, floor):
     return ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
 
 
+def _band_part(band, log_mix):
+    """The band's (out, log-scale) as combine takes it: shared, its own scale (stopped: out is on it);
+    learned (log_mix = log γ_h [H]), scale log γ_h − m_i in value, with m_i's gradient."""
+    out, m = band
+    if log_mix is None:
+        return out, sg(m)
+    lm = jnp.asarray(log_mix, F32).reshape((1, -1) + (1,) * (m.ndim - 2))
+    return out, jnp.where(jnp.isfinite(m), lm + sg(finite_or(m)) - finite_or(m), NEG_INF)
+
+
 @linear.jit_when_eager("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path", "span")
 def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, chunk_size=linear.CAUSAL_CHUNK,
-           path="auto", span=None, floor=None):
+           path="auto", span=None, floor=None, band=None, log_mix=None):
     """[B, H, Lq, Dv]. x/y the scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), from which
     query_map(ctx, x) / key_map(ctx, y) make the log-features row by row (as in
     favor.attention.linear.causal_maps; every key a valid mask admits has finite log-features),
     v [B, H, Lk, Dv], valid [B, Lk] or None. Causal: queries aligned to the last keys (Lq ≤ Lk);
     bidirectional: Lq = Lk (the band is a relation between positions of one sequence). `floor`: the
     bound a sign-indefinite kind's denominator is raised to (linear.floored_ratio; the band's exact terms
-    are part of the denominator it bounds)."""
+    are part of the denominator it bounds). `band`: (x, y) the band reads where the maps' inputs are not
+    the scaled queries and keys (default x, y). `log_mix`: log γ_h [H] for the learned mix (None: shared)."""
     l_q, l_k = x.shape[2], y.shape[2]
     if causal and l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
@@ -139,13 +165,15 @@ def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, ch
         raise ValueError(f"window attention relates positions of one sequence: bidirectional needs Lq = Lk; "
                          f"got Lq = {l_q}, Lk = {l_k}")
     x, y = x.astype(F32), y.astype(F32)
+    bx, by = (x, y) if band is None else (band[0].astype(F32), band[1].astype(F32))
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
         x = jnp.pad(x, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
+        bx = jnp.pad(bx, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0)))
     v1 = ones_column(v)
     b, h = y.shape[:2]
     has_key = jnp.broadcast_to((jnp.ones((1, l_k), bool) if valid is None else jnp.asarray(valid, bool))[:, None],
                                (b, h, l_k))
-    parts = [_band(x, y, v1, has_key, window, 0 if causal else window)]
+    parts = [_band_part(_band(bx, by, v1, has_key, window, 0 if causal else window), log_mix)]
     if window >= l_k - 1:      # every key of every query is on the band: exact softmax, no feature pass
         return _combined_ratio(parts, positive, l_k - l_q, floor)
     parts.append(_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span))
@@ -200,9 +228,10 @@ def decode_prefill(lk, sk, y, v, window, valid=None, signed=False):
     return state
 
 
-def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
-    """One token: lq, lk [B, H, F], x, y [B, H, D], v [B, H, Dv] -> (out [B, H, Dv], state). The oldest
-    of the w + 1 kept keys leaves the band (into the linear state); the new key joins it."""
+def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True, log_mix=None):
+    """One token: lq, lk [B, H, F], x, y [B, H, D] (the band's scaled query and key), v [B, H, Dv] ->
+    (out [B, H, Dv], state). The oldest of the w + 1 kept keys leaves the band (into the linear state);
+    the new key joins it. log_mix: as `attend`'s."""
     lq, lk, x, y, v = (a.astype(F32) for a in (lq, lk, x, y, v))
     key = jnp.ones(lk.shape[:2], bool) if valid is None else jnp.broadcast_to(
         jnp.asarray(valid, bool)[:, None], lk.shape[:2])
@@ -220,9 +249,9 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True):
     if "sk" in state:
         new["sk"] = push(state["sk"], jnp.ones_like(lk) if sk is None else sk.astype(F32))
     scores = jnp.where(new["key"], jnp.einsum("bhd,bhwd->bhw", x, new["y"]), NEG_INF)
-    m = sg(jnp.max(scores, axis=-1))
-    p = jnp.exp(scores - finite_or(m)[..., None])
+    m = jnp.max(scores, axis=-1)
+    p = jnp.exp(scores - finite_or(sg(m))[..., None])
     band = jnp.einsum("bhw,bhwd->bhd", p, ones_column(new["v"]))
     est = linear.decode_read(lin, lq, sq)
-    out, scale = combine([est, (band, m)])
+    out, scale = combine([est, _band_part((band, m), log_mix)])
     return ratio(out, positive, scale, floor), new

@@ -48,8 +48,10 @@ def is_qk_norm_param(path: str) -> bool:
 
 
 def is_feature_map_param(path: str) -> bool:
-    """Whether dotted parameter `path` is a learned kind's feature map (SelfAttention.feature_map)."""
-    return path.endswith("attention.feature_map")
+    """Whether dotted parameter `path` is a learned kind's feature map or a window's learned mix
+    (SelfAttention.feature_map, .window_mix): what attention transfer trains, and what a source of another
+    kind has not."""
+    return path.endswith(("attention.feature_map", "attention.window_mix"))
 
 
 def meta(*axes):
@@ -168,6 +170,9 @@ class SelfAttention(nnx.Module):
             self.feature_map = nnx.Param(w, **meta(*(None,) * w.ndim))
         else:
             self.feature_map = None
+        # the window's learned mix (LoLCATs): a logit per head, γ_h = sigmoid, never sharded
+        self.window_mix = (nnx.Param(self.kind.mix_init(heads).astype(param_dtype), **meta(None))
+                           if getattr(self.kind, "mixes", False) else None)
         if causal and self.kind.data_dependent:
             # statistics of no data: the fit then falls back to the family's data-independent member
             empty = jnp.zeros((1, 1, heads, self.head_dim), jnp.float32)
@@ -216,7 +221,7 @@ class SelfAttention(nnx.Module):
             if not deterministic:
                 self.fit_stats.set_value(self.kind.update_statistics(stats, q, k, key_mask, query_mask))
         out = self.kind(q, k, v, mask=key_mask, causal=self.causal, draw=draw, query_mask=query_mask,
-                        stats=stats)
+                        stats=stats, **self._mix())
         result = self.out(out.reshape(b, l, self.heads * self.head_dim).astype(x.dtype))
         if self.record:
             self.sow(nnx.Intermediate, "transfer", (x, mask, positions, result))
@@ -229,6 +234,10 @@ class SelfAttention(nnx.Module):
         if self.features is not None:
             return self.features.get_value()
         return None if self.feature_map is None else self.feature_map[...]
+
+    def _mix(self):
+        """The learned window mix as the kind takes it (`mix=`), or nothing."""
+        return {} if self.window_mix is None else {"mix": self.window_mix[...]}
 
     def _draw_and_stats(self):
         """The stored ω (or learned map) and the running fit statistics (None where the layer has none)."""
@@ -250,7 +259,7 @@ class SelfAttention(nnx.Module):
         q, k, v = self.project(x)
         draw, stats = self._draw_and_stats()
         # an empty prompt has no outputs (the causal pass's chunking needs a token); its cache is the empty state
-        out = v if p == 0 else self.kind(q, k, v, causal=True, draw=draw, stats=stats)
+        out = v if p == 0 else self.kind(q, k, v, causal=True, draw=draw, stats=stats, **self._mix())
         out = self.out(out.reshape(b, p, self.heads * self.head_dim).astype(x.dtype))
         if isinstance(self.kind, Softmax):
             grow = lambda a: jnp.pad(a, ((0, 0), (0, max_length - p), (0, 0), (0, 0)))
@@ -271,7 +280,7 @@ class SelfAttention(nnx.Module):
             # error can be raised here: NaN outputs make the overflow loud instead of silently wrong
             out = jnp.where(position < cache["k"].shape[1], out, jnp.nan)
         else:
-            out, cache = self.kind.decode_step(cache, q, k, v, self._decode_context())
+            out, cache = self.kind.decode_step(cache, q, k, v, self._decode_context(), **self._mix())
         return self.out(out.reshape(b, 1, self.heads * self.head_dim).astype(x.dtype)), cache
 
 

@@ -1,7 +1,8 @@
 """Attention transfer: before fine-tuning, train the model around a linear attention to reproduce the
 softmax attention it replaces, layer by layer (LoLCATs' attention transfer). A learned kind (hedgehog,
-t2r) trains its feature maps (trainable="feature_maps", LoLCATs' first stage); the random-feature kinds
-have no learned map, so what moves there are the projections that feed them.
+t2r) trains its feature maps (trainable="feature_maps", LoLCATs' first stage, with the window's learned
+mix where the kind has one); the random-feature kinds have no learned map, so what moves there are the
+projections that feed them (and the learned mix).
 
 The teacher is the same model with exact softmax attention and the parameters the run started from,
 frozen. One forward of the teacher records, for every attention layer, its input, its mask and its
@@ -11,7 +12,8 @@ to that same input, and the loss is the sum over layers of the mean squared diff
 does not feed the next during this stage.
 
 `config.uptrain`: transfer_steps (0 = no transfer stage), trainable ("query_key": the attention layers'
-query and key projections; "all"; "feature_maps": a learned kind's maps (hedgehog, t2r); "lora": LoRA
+query and key projections; "all"; "feature_maps": a learned kind's maps (hedgehog, t2r) and a window's
+learned mix (window_mix="learned"); "lora": LoRA
 adapters (favor.models.lora) and what `lora_also` selects, in this stage and in the training after it,
 every other parameter frozen; or a regular expression searched in the dotted parameter paths), lr (the
 stage's Adam learning rate, cosine-decayed over the stage). `stage` gives the run its stage
@@ -87,8 +89,8 @@ def loss_fn(params, rest, entries, batch, **kw):
 
 
 # the `trainable` values that name a set: the query/key projections, everything, a learned kind's feature
-# maps (Hedgehog, T2R: LoLCATs' first stage trains these alone)
-NAMED = {"query_key": r"attention\.(query|key)\.", "all": r"", "feature_maps": r"(^|\.)attention\.feature_map$"}
+# maps and the window's learned mix (LoLCATs' first stage trains these alone)
+NAMED = {"query_key": r"attention\.(query|key)\.", "all": r"", "feature_maps": r"(^|\.)attention\.(feature_map|window_mix)$"}
 
 
 def trainable_mask(params, pattern: str, also: str = ""):
