@@ -97,9 +97,11 @@ def run_config(*, total_steps: int, batch_size: int, eval_batch_size: int, every
     # around its attention to imitate that model's softmax attention (favor.uptrain.transfer)
     # trainable="lora": rank-`lora_rank` adapters scaled by lora_alpha / lora_rank on the projections
     # `lora_targets` selects (favor.models.lora; LoLCATs: rank 8 on q, k, v, o), trained in the transfer
-    # stage and the training after it with `lora_also` (a regular expression: new task heads), the rest frozen
+    # stage and the training after it with `lora_also` (a regular expression: new task heads), the rest frozen.
+    # finetune: what the training after the transfer stage trains, "all" or "lora" (LoLCATs' recipe:
+    # trainable="feature_maps" in the transfer stage, then finetune="lora"); trainable="lora" implies "lora"
     c.uptrain = {"transfer_steps": 0, "trainable": "query_key", "lr": 1e-3, "lora_rank": 8, "lora_alpha": 16.0,
-                 "lora_targets": models.lora.DEFAULT_TARGETS, "lora_also": ""}
+                 "lora_targets": models.lora.DEFAULT_TARGETS, "lora_also": "", "finetune": "all"}
     return c
 
 
@@ -372,6 +374,15 @@ def _validate_model(config) -> None:
         raise ConfigError("model", f"{name}/{preset}", str(e)) from None
 
 
+FINETUNE = ("all", "lora")
+
+
+def uses_lora(uptrain) -> bool:
+    """Whether a run with `uptrain` (config.uptrain) carries LoRA adapters: trainable="lora" (both stages)
+    or finetune="lora" (the training after the transfer stage)."""
+    return uptrain.get("trainable") == "lora" or uptrain.get("finetune", "all") == "lora"
+
+
 def _validate_uptrain(config) -> None:
     if "uptrain" not in config:
         return
@@ -392,11 +403,16 @@ def _validate_uptrain(config) -> None:
     except re.error as e:
         raise ConfigError("uptrain.trainable", pattern, f"must be 'query_key', 'all', 'feature_maps', 'lora' or a "
                                                        f"regular expression over parameter paths ({e})") from None
-    if pattern != "lora":
+    finetune = get(config, "uptrain.finetune") if "finetune" in config.uptrain else "all"
+    if finetune not in FINETUNE:
+        raise ConfigError("uptrain.finetune", finetune, f"must be one of {', '.join(map(repr, FINETUNE))} (what the "
+                                                        "training after the transfer stage trains)")
+    if pattern != "lora" and finetune != "lora":
         return
+    key, value = ("uptrain.trainable", pattern) if pattern == "lora" else ("uptrain.finetune", finetune)
     if not config.model.get("init_from"):
-        raise ConfigError("uptrain.trainable", pattern, "needs model.init_from: LoRA freezes the weights the run "
-                                                       "starts from, and a model from scratch has none worth keeping")
+        raise ConfigError(key, value, "needs model.init_from: LoRA freezes the weights the run "
+                                      "starts from, and a model from scratch has none worth keeping")
     _int(config, "uptrain.lora_rank", 1)
     _number(config, "uptrain.lora_alpha", lambda v: v > 0, "a positive number")
     for key in ("uptrain.lora_targets", "uptrain.lora_also"):

@@ -60,7 +60,7 @@ def model_builder(config):
     full = models.config(name, preset, **m)          # validates every key before anything is built
     seed = int(config.seed)
     up = config.get("uptrain", {})
-    lora_on = up.get("trainable") == "lora"
+    lora_on = configlib.uses_lora(up)
 
     def build(keys=None):
         """keys: {"params", "dropout", "features"} -> typed PRNG keys, default those of config.seed. Passed
@@ -82,7 +82,7 @@ def trainable(config, abstract_params):
     """What the main training trains: a bool per parameter for a LoRA run (its adapters and
     uptrain.lora_also), None (everything) otherwise."""
     up = config.get("uptrain", {})
-    if up.get("trainable") != "lora":
+    if not configlib.uses_lora(up):
         return None
     return uptrain.trainable_mask(abstract_params, "lora", str(up.get("lora_also", "")))
 

@@ -81,7 +81,8 @@ def _hf_decoder(hf_reference, tmp_path, family):
 
 def _lora_config(path, total=4, transfer=2, **uptrain):
     config = decoder_lm.get_config(f"runlocal,data=local,kind=favor#,init={path}")
-    config.uptrain.update(trainable="lora", transfer_steps=transfer, lora_rank=2, lora_alpha=4.0, **uptrain)
+    config.uptrain.update(**{"trainable": "lora", "transfer_steps": transfer, "lora_rank": 2, "lora_alpha": 4.0,
+                             **uptrain})
     config.total_steps, config.checkpoint_every = total, 1
     config.keep_checkpoints = total
     return config
@@ -154,6 +155,32 @@ def test_a_llama_lora_run_resumes_and_folds_into_the_next_run(hf_reference, docs
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
 
 
+def test_the_lolcats_recipe_trains_the_maps_then_the_adapters(hf_reference, docstrings_cache, tmp_path):
+    """LoLCATs' two stages on a tiny random Llama linearized as hedgehog with a band and the learned mix:
+    trainable="feature_maps" (transfer, 2 steps) moves the maps and the mix alone, then finetune="lora"
+    (2 steps) the adapters alone; each stage's optimizer holds Adam's moments for its own parameters."""
+    path = _hf_decoder(hf_reference, tmp_path, "LlamaForCausalLM")
+    config = decoder_lm.get_config(f"runlocal,data=local,kind=hedgehog,window=2,init={path}")
+    config.model.attention.window_mix = "learned"
+    config.uptrain.update(trainable="feature_maps", finetune="lora", transfer_steps=2, lora_rank=2, lora_alpha=4.0)
+    config.total_steps, config.checkpoint_every = 4, 2
+    configlib.validate(config)
+    summary = job.run(config, tmp_path / "run")
+    params = _flat(summary.state["params"])
+    source = _flat(nnx.state(models.hf.load(path), nnx.Param))
+    maps = {k for k in params if k.endswith(("attention.feature_map", "attention.window_mix"))}
+    adapters = {k for k in params if lora.is_lora_param(k)}
+    assert len(maps) == 2 * 2 and len(adapters) == 2 * 4 * 2
+    for k, v in params.items():
+        if k not in maps | adapters:
+            np.testing.assert_array_equal(v, source[k], err_msg=k)
+    start = _flat(nnx.state(job.model_builder(config)[0](), nnx.Param))     # the seed's fresh maps and mix
+    assert all(np.any(params[k] != start[k]) for k in maps)
+    assert all(np.any(params[k] != 0) for k in adapters if k.endswith("lora_b"))
+    assert _opt_sizes(summary.state["transfer_opt_state"]) == 2 * sum(params[k].size for k in maps)
+    assert _opt_sizes(summary.state["opt_state"]) == 2 * sum(params[k].size for k in adapters)
+
+
 def test_lora_config_errors_name_the_key(hf_reference, tmp_path):
     """Bad LoRA settings are one-line config errors before anything is built; targets that select no
     projection name the model's projections."""
@@ -168,6 +195,13 @@ def test_lora_config_errors_name_the_key(hf_reference, tmp_path):
     config = _lora_config(path, transfer=0)
     config.model.init_from = ""
     with pytest.raises(configlib.ConfigError, match="uptrain.trainable.*needs model.init_from"):
+        configlib.validate(config)
+    config = _lora_config(path, transfer=0, trainable="all", finetune="lora")
+    config.model.init_from = ""
+    with pytest.raises(configlib.ConfigError, match="uptrain.finetune='lora': needs model.init_from"):
+        configlib.validate(config)
+    config = _lora_config(path, finetune="adapters")
+    with pytest.raises(configlib.ConfigError, match="uptrain.finetune='adapters': must be one of 'all', 'lora'"):
         configlib.validate(config)
     config = _lora_config(path, lora_targets=r"attention\.nothing$")
     with pytest.raises(configlib.ConfigError, match="uptrain.lora_targets.*select no projection.*layers.0.attention.key"):

@@ -33,7 +33,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from favor.models import zoo
-from favor.models.layers import is_qk_norm_param
+from favor.models.layers import is_feature_map_param, is_qk_norm_param
 
 BERT_ARCHS = {"BertModel": "none", "BertForMaskedLM": "mlm", "BertForSequenceClassification": "classification"}
 VIT_ARCHS = {"ViTModel": False, "ViTForImageClassification": True}
@@ -355,7 +355,9 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
         raise ValueError(f"{path}: checkpoint tensors whose favor parameter this model does not have "
                          f"(head or pooler mismatch?): {', '.join(missing_target)}")
     not_filled = sorted(set(params) - filled)
-    fresh = [p for p in not_filled if p.startswith(HEAD_PARAMS) or is_qk_norm_param(p)]
+    # new heads, qk_norm's parameters, a learned kind's feature maps and a window's learned mix: no
+    # softmax checkpoint has them
+    fresh = [p for p in not_filled if p.startswith(HEAD_PARAMS) or is_qk_norm_param(p) or is_feature_map_param(p)]
     absent = [p for p in not_filled if p not in fresh]
     if absent:
         raise ValueError(f"{path}: favor parameters missing from the checkpoint: {', '.join(absent)}")
