@@ -21,12 +21,13 @@ sys.path.insert(0, str(ROOT))
 from configs import decoder_lm  # noqa: E402
 
 # every kind, the data-dependent HRF, a window hybrid with qk_norm, a learned map with the learned window
-# mix, and the GPT-2 layout (learned positions,
+# mix, sliding-window softmax, and the GPT-2 layout (learned positions,
 # LayerNorm, GELU, biases, tied embeddings)
 SPECS = {**{k: ({"kind": k}, {}) for k in attention.names()},
          "hrf-cluster": ({"kind": "hrf", "lambda_": "cluster"}, {}),
          "favor#@3-l2": ({"kind": "favor#", "window": 3, "qk_norm": "l2"}, {}),
          "hedgehog@3-mix": ({"kind": "hedgehog", "window": 3, "window_mix": "learned"}, {}),
+         "softmax@3": ({"kind": "softmax", "window": 3}, {}),
          "gpt2-favor+": ({"kind": "favor+"}, {"norm": "layer", "mlp": "gelu", "positions": "learned",
                                               "use_bias": True, "tie_embeddings": True})}
 VOCAB = 64

@@ -216,7 +216,8 @@ def test_errors_name_the_bad_value():
     q, k, v = qkv(lq=5, lk=9)
     with pytest.raises(ValueError, match="needs Lq = Lk; got 5 and 9"):
         attention.get("favor+", window=2)(q, k, v)
-    assert "window" not in attention.get("softmax").OPTIONS            # only random-feature kinds
+    with pytest.raises(ValueError, match="softmax with window=2: .*needs Lq = Lk; got 5 and 9"):
+        attention.get("softmax", window=2)(q, k, v)
 
 
 def test_config_override_reaches_the_layer():
@@ -342,3 +343,23 @@ def test_mix_errors_name_the_bad_value():
     attn = attention.get("elu", window=2, window_mix="learned")
     assert attn.mixes
     np.testing.assert_allclose(np.asarray(jax.nn.sigmoid(attn.mix_init(3))), 0.1, rtol=1e-6)   # LoLCATs' start
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sliding_window_softmax_is_the_band_alone(causal):
+    """softmax with window=w (the "band only" baseline) against float64 softmax over the band's keys,
+    written here, with padding (row 0's last queries see only padded keys in their band: output 0)."""
+    q, k, v = qkv(scale=1.0, seed=12)
+    mask = np.ones((2, 9), bool)
+    mask[0, 4:] = False
+    mask[1, 2] = False
+    out = np.asarray(attention.get("softmax", window=2)(q, k, v, mask=jnp.asarray(mask), causal=causal), np.float64)
+    x, y, vv = (np.swapaxes(np.asarray(a, np.float64), 1, 2) for a in (q, k, v))
+    s = np.einsum("bhid,bhjd->bhij", x, y) / np.sqrt(8.0)
+    rel = np.arange(9)[None, :] - np.arange(9)[:, None]
+    keep = (np.abs(rel) <= 2) & ((rel <= 0) if causal else True) & mask[:, None, None, :]
+    w = np.where(keep, np.exp(s - s.max(-1, keepdims=True)), 0.0)
+    den = w.sum(-1, keepdims=True)
+    want = np.swapaxes(np.where(den > 0, (w @ vv) / np.where(den > 0, den, 1.0), 0.0), 1, 2)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert (out[0, 7:] == 0).all() and np.all(np.isfinite(out))        # a band of padded keys only: 0

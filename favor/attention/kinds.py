@@ -71,14 +71,18 @@ class Softmax(Attention):
     """Exact softmax attention, the baseline (jax.nn.dot_product_attention). impl: "xla" or "cudnn"
     (cuDNN's fused flash attention: a GPU, bf16/fp16, equal head dims of 64 or 128, no padding mask, Lq = Lk
     when causal). "auto" is XLA: cuDNN through this layer is not yet measured (favor.bench accel times cuDNN
-    directly)."""
+    directly). `window` w > 0: sliding-window softmax, each query attending to the keys with |i − j| ≤ w
+    (causal: its last w + 1), the "band only" baseline of the window hybrids (w ≥ L − 1: plain softmax)."""
 
     name = "softmax"
-    OPTIONS = {"impl": "auto"}
+    OPTIONS = {"impl": "auto", "window": 0}
 
     def __init__(self, **options):
         super().__init__(**options)
         self.impl = _choice(self.name, "impl", options.get("impl", "auto"), SOFTMAX_IMPLS)
+        self.window = window_lib.check_window(self.name, options.get("window", 0))
+        if self.window and self.impl == "cudnn":
+            raise ValueError("softmax: impl='cudnn' runs without a window (window=0); impl='auto' runs the band")
 
     def _cudnn(self, q, k, v, mask, causal):
         fits = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and mask is None
@@ -92,14 +96,21 @@ class Softmax(Attention):
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None):
         check_qkv(q, k, v, mask, query_mask)
-        if self._cudnn(q, k, v, mask, causal):
+        if not self.window and self._cudnn(q, k, v, mask, causal):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
         m = None if mask is None else jnp.asarray(mask, bool)[:, None, None, :]
+        lq, lk = q.shape[1], k.shape[1]
         if causal:
             check_causal_lengths(q, k)
-            lq, lk = q.shape[1], k.shape[1]
             tri = jnp.tril(jnp.ones((lq, lk), bool), k=lk - lq)[None, None]
             m = tri if m is None else m & tri
+        if self.window:
+            if not causal and lq != lk:
+                raise ValueError(f"softmax with window={self.window}: the band relates positions of one sequence, "
+                                 f"so bidirectional attention needs Lq = Lk; got {lq} and {lk}")
+            rel = jnp.arange(lk)[None, :] - (jnp.arange(lq)[:, None] + lk - lq)      # j − i in positions
+            band = ((rel >= -self.window) & (rel <= self.window))[None, None]
+            m = band if m is None else m & band
         # dot_product_attention wants one head dim for q, k and v: zero-pad the smaller side
         # (zeros change no score, and the scale stays 1/√D of the real head dim).
         d, dv = q.shape[-1], v.shape[-1]
@@ -109,7 +120,10 @@ class Softmax(Attention):
                                            scale=d ** -0.5)[..., :dv]
         if mask is not None:   # a query with no valid key attends to nothing: 0, not NaN
             seen = jnp.asarray(mask, bool)
-            if causal:
+            if self.window:          # the keys each query's band holds
+                sees = jnp.any(m & seen[:, None, None, :], -1)[:, 0]                  # [B, Lq]
+                out = jnp.where(sees[:, :, None, None], out, 0.0)
+            elif causal:
                 seen = linear.cumulative(seen, jnp.logical_or, False, axis=1)[:, k.shape[1] - q.shape[1]:]
                 out = jnp.where(seen[:, :, None, None], out, 0.0)
             else:

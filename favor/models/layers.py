@@ -275,7 +275,12 @@ class SelfAttention(nnx.Module):
             at = lambda c, new: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), position, axis=1)
             cache = {"k": at(cache["k"], k), "v": at(cache["v"], v)}
             seen = jnp.arange(cache["k"].shape[1]) <= position
-            out = self.kind(q, cache["k"], cache["v"], mask=jnp.broadcast_to(seen, (b, seen.shape[0])))
+            if self.kind.window:        # sliding-window softmax: the band's last w + 1 keys
+                seen = seen & (jnp.arange(cache["k"].shape[1]) >= position - self.kind.window)
+            # the band is the mask above: the cache's positions are not the query's, so the kind's own
+            # window (which relates positions of one sequence) stays off
+            plain = self.kind if not self.kind.window else attention_lib.get("softmax", impl=self.kind.impl)
+            out = plain(q, cache["k"], cache["v"], mask=jnp.broadcast_to(seen, (b, seen.shape[0])))
             # past the cache the write above is clamped onto its last slot; the position is traced, so no
             # error can be raised here: NaN outputs make the overflow loud instead of silently wrong
             out = jnp.where(position < cache["k"].shape[1], out, jnp.nan)
