@@ -22,6 +22,8 @@ COLUMNS = {
     "speech-kernels": ["setting", "WER (%)", "Δ vs softmax (± SE)", "seeds"],
     "mqar-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "state (numbers)", "seeds"],
     "uptrain-kernels": ["model", "setting", "day 0 (%)", "after K steps (%)", "Δ vs softmax after K (± SE)", "seeds"],
+    "linearize": ["setting", "recipe", "day 0 perplexity", "perplexity", "gap closed (%)", "trained parameters",
+                  "tokens", "seeds"],
 }
 
 
@@ -45,7 +47,8 @@ def test_every_registered_reproduction_is_tested():
 # the reproductions that train (a sweep of train.py runs under <out>/runs), each with words its quick
 # report's comparisons must hold
 TRAINED = {"listops-kernels": "LRA Table 1", "speech-kernels": "task check: softmax below the weakest",
-           "mqar-kernels": "Zoology: attention solves MQAR", "uptrain-kernels": "task check: the softmax source"}
+           "mqar-kernels": "Zoology: attention solves MQAR", "uptrain-kernels": "task check: the softmax source",
+           "linearize": "task check: the softmax source"}
 
 
 @pytest.mark.parametrize("name", sorted(COLUMNS))

@@ -27,6 +27,7 @@ REGISTRY = Registry("reproduction", {
     "speech-kernels": "favor.repro.speech_kernels",
     "mqar-kernels": "favor.repro.mqar_kernels",
     "uptrain-kernels": "favor.repro.uptrain_kernels",
+    "linearize": "favor.repro.linearize",
 })
 
 names = REGISTRY.names
