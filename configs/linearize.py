@@ -41,17 +41,20 @@ TRANSFER_LR = 1e-2               # LoLCATs' attention-transfer rate
 def _args(arg):
     return configlib.parse_arg(arg, stage="linearize", kind="favor+", window=0, recipe="lolcats",
                                source_steps=1500, transfer_steps=50, steps=250, runlocal=False,
-                               seeds=2, kinds="/".join(KINDS), band=16, recipes="/".join(RECIPES))
+                               seeds=2, kinds="/".join(KINDS), band=8, recipes="/".join(RECIPES))
 
 
 def recipe_overrides(kind: str, window: int, recipe: str, transfer_steps: int, steps: int) -> dict:
-    """The dotted config keys a setting's recipe sets (what the sweep passes as overrides)."""
+    """The dotted config keys a setting's recipe sets (what the sweep passes as overrides): every key a
+    recipe depends on, so that a run's flags alone fix it whatever get_config's own arg defaults to."""
     configlib.choice("recipe", recipe, RECIPES)
     total = transfer_steps + steps
+    # no transfer stage: its keys at the config's defaults
+    none = {"uptrain.transfer_steps": 0, "uptrain.trainable": "query_key", "uptrain.lr": 1e-3}
     if recipe == "full":
-        return {"uptrain.transfer_steps": 0, "uptrain.finetune": "all", "optim.lr": FULL_LR, "total_steps": total}
+        return {**none, "uptrain.finetune": "all", "optim.lr": FULL_LR, "total_steps": total}
     if kind == "softmax":                   # the band alone: nothing for a transfer stage to train
-        return {"uptrain.transfer_steps": 0, "uptrain.finetune": "lora", "optim.lr": LORA_LR, "total_steps": total}
+        return {**none, "uptrain.finetune": "lora", "optim.lr": LORA_LR, "total_steps": total}
     own = getattr(attention.get(kind), "learned", False) or (window and kind in MIXED)
     return {"uptrain.transfer_steps": transfer_steps, "uptrain.trainable": "feature_maps" if own else "lora",
             "uptrain.finetune": "lora", "uptrain.lr": TRANSFER_LR if own else 1e-3, "optim.lr": LORA_LR,

@@ -22,8 +22,8 @@ COLUMNS = {
     "speech-kernels": ["setting", "WER (%)", "Δ vs softmax (± SE)", "seeds"],
     "mqar-kernels": ["setting", "accuracy (%)", "Δ vs softmax (± SE)", "state (numbers)", "seeds"],
     "uptrain-kernels": ["model", "setting", "day 0 (%)", "after K steps (%)", "Δ vs softmax after K (± SE)", "seeds"],
-    "linearize": ["setting", "recipe", "day 0 perplexity", "perplexity", "gap closed (%)", "trained parameters",
-                  "tokens", "seeds"],
+    "linearize": ["setting", "recipe", "day 0 perplexity", "perplexity", "gap closed (%)", "recall (%)",
+                  "trained parameters", "tokens", "seeds"],
 }
 
 
@@ -599,3 +599,99 @@ def test_uptrain_sweeps_give_the_settings_the_report_asks_for():
             assert sorted(set(labels)) == sorted(p["asked"]) and all(labels.count(k) == 3 for k in p["asked"]), side
     assert uk.plan(args)["vit"]["asked"] == ["softmax", "FAVOR# (SDERF)", "HRF (angular)", "FAVOR+ + band 8",
                                              "SimRF (positive)", "ELU"]
+
+
+def test_linearize_report_reads_day_0_the_gap_closed_and_rates_by_hand_computed_z():
+    """linearize on made-up finished runs: settings are named by kind, band and recipe; day 0 is the step-0
+    evaluation; the gap closed is (day 0 − final) / (day 0 − source) per seed; each claim's z is the
+    hand-computed Welch figure in the direction "lower perplexity"; recall and the trained share come from
+    what each run measured."""
+    import numpy as np
+    from favor.repro import linearize as lin
+    from favor.tools.report import RunRecord
+
+    def run(kind, window, recipe, seed, day0, final):
+        config = {"model.attention.kind": kind, "model.attention.window": window, "seed": seed, "total_steps": 300,
+                  "batch_size": 16, "data.max_length": 128, "uptrain.finetune": "lora" if recipe == "lolcats" else "all"}
+        return RunRecord(f"{kind}{window}{recipe}{seed}", None, config=config, status="finished", step=300,
+                         summary={"step": 300, "perplexity": final, "trainable_params": 100 if recipe == "lolcats" else 5000,
+                                  "trainable_fraction": 0.02 if recipe == "lolcats" else 1.0},
+                         curves={"eval/perplexity": [(0, day0), (300, final)]})
+
+    figures = {("hedgehog", 0, "lolcats"): ((300.0, 310.0), (80.0, 90.0)),
+               ("hedgehog", 16, "lolcats"): ((200.0, 210.0), (60.0, 61.0)),
+               ("favor+", 0, "lolcats"): ((400.0, 420.0), (120.0, 130.0)),
+               ("favor#", 0, "lolcats"): ((250.0, 260.0), (100.0, 104.0)),
+               ("softmax", 16, "lolcats"): ((70.0, 70.0), (66.0, 67.0)),
+               ("hedgehog", 0, "full"): ((300.0, 310.0), (70.0, 75.0))}
+    runs = [run(k, w, r, s, d, f) for (k, w, r), (day0, final) in figures.items()
+            for s, (d, f) in enumerate(zip(day0, final))]
+    source = RunRecord("src", None, config={}, status="finished", step=1500,
+                       summary={"step": 1500, "perplexity": 50.0}, curves={})
+    recall = {r.name: 0.5 for r in runs} | {"src": 0.9}
+    p = {"source": "/c/configs/linearize.py:stage=source", "sweep": "/c/configs/linearize.py:seeds=2",
+         "seeds": 2, "asked": sorted({lin._label(r) for r in runs})}
+    rep = lin._report(p, source, runs, recall)
+    row = next(r for r in rep.rows if r[:2] == ["Hedgehog + band 16", "LoLCATs"])
+    closed = [(200 - 60) / (200 - 50), (210 - 61) / (210 - 50)]
+    assert row[2] == "205.0 ± 7.1" and row[3] == "60.5 ± 0.7"
+    assert row[4] == f"{100 * np.mean(closed):.1f} ± {100 * np.std(closed, ddof=1):.1f}"
+    assert row[5] == "50.0 ± 0.0" and row[6] == "100 (2.00 %)" and row[7] == 300 * 16 * 128
+    texts = dict(rep.comparisons)
+
+    def z(a, b):          # lower is better: (b − a) / SE
+        a, b = np.array(a), np.array(b)
+        return (b.mean() - a.mean()) / np.sqrt(np.var(a, ddof=1) / 2 + np.var(b, ddof=1) / 2)
+
+    band = next(t for t in texts if "band + linear beats linear alone" in t)
+    assert f"(z = {z([60.0, 61.0], [80.0, 90.0]):.1f})" in band and texts[band] == "agrees"
+    hh = next(t for t in texts if t.startswith("Hedgehog | LoLCATs") and "FAVOR+ | LoLCATs" in t)
+    assert f"(z = {z([80.0, 90.0], [120.0, 130.0]):.1f})" in hh and texts[hh] == "agrees"
+    sharp = next(t for t in texts if "FAVOR# inherits the most on day 0" in t)
+    assert f"(z = {z([250.0, 260.0], [400.0, 420.0]):.1f})" in sharp and texts[sharp] == "agrees"
+    task = next(t for t in texts if t.startswith("task check"))
+    assert "band 16 alone" in task and texts[task] == "agrees"            # 50 against 66–67
+    most = next(t for t in texts if "closes most of the gap" in t)
+    gap = np.array(closed)
+    assert f"(z = {(gap.mean() - 0.5) / np.sqrt(np.var(gap, ddof=1) / 2):.1f})" in most
+    assert "2.00 % of the parameters" in most
+    assert any("source recalls 90.0 %" in n for n in rep.notes)
+    assert rep.checks[0][1]
+    missing = lin._report({**p, "asked": p["asked"] + ["T2R | LoLCATs"]}, source, runs, recall)
+    assert missing.checks[0][1] is False
+
+
+def test_linearize_sweep_settings_are_valid_configs_named_as_asked(tmp_path):
+    """Every setting of the default sweep is a config that validates (each override a key the config has,
+    LoLCATs' recipe with transfer only where the kind has something to transfer) and carries the label the
+    report asks for; the recipes give the same number of steps."""
+    import argparse
+    from favor import configlib, sweeps
+    from favor.repro import linearize as lin
+    from favor.tools.report import RunRecord
+
+    args = argparse.Namespace(quick=False, seeds=None, kinds=None, band=None, recipes=None, source_steps=None,
+                              transfer_steps=None, steps=None, parallel=2)
+    p = lin.plan(args)
+    runs = sweeps.load(p["sweep"])
+    assert len(runs) == 2 * 2 * (6 * 2 + 1) and len(p["asked"]) == 26
+    base = p["sweep"].split(":")[0]
+    (tmp_path / "source" / "checkpoints").mkdir(parents=True)       # where a source run would be
+    for r in runs:
+        if r.overrides["seed"]:
+            continue
+        config = configlib.load(base)
+        configlib.apply_flag(config, f"model.init_from=run:{tmp_path / 'source'}")
+        for key, value in r.overrides.items():
+            configlib.apply_flag(config, f"{key}={value}")
+        configlib.validate(config)
+        assert config.total_steps == 300, r.overrides
+        # a run's flags fix its recipe whatever get_config's own defaults are: full fine-tuning has no adapters
+        assert configlib.uses_lora(config.uptrain) == (r.overrides["uptrain.finetune"] == "lora"), r.overrides
+        assert lin._label(RunRecord(r.name, None, overrides=dict(r.overrides))) in p["asked"]
+    recipes = {lin._label(RunRecord(r.name, None, overrides=dict(r.overrides))): r.overrides for r in runs}
+    assert recipes["Hedgehog + band 8 | LoLCATs"]["uptrain.trainable"] == "feature_maps"
+    assert recipes["FAVOR+ | LoLCATs"]["uptrain.trainable"] == "lora"
+    assert recipes["ELU + band 8 | LoLCATs"]["model.attention.window_mix"] == "learned"
+    assert "model.attention.window_mix" not in recipes["FAVOR# + band 8 | LoLCATs"]
+    assert recipes["band 8 alone | LoLCATs"]["uptrain.transfer_steps"] == 0

@@ -3,6 +3,7 @@ band of exact softmax, perplexity and the share of the gap to the source closed.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -24,20 +25,22 @@ random-feature kinds. The source: configs/linearize.py:stage=source, a softmax d
 wide, 4 heads of 32, a 2,000-piece vocabulary, 128-token rows of the standard library's docstrings,
 batch 16) trained `--source-steps` steps (default 1,500). Each setting continues it
 (`model.init_from=run:<source>`) as one kind — FAVOR+, FAVOR++, FAVOR# (64 features), Hedgehog (64),
-T2R (64), ELU — without and with a band of the last `--band` keys (default 16) exact, or as the band
+T2R (64), ELU — without and with a band of the last `--band` keys (default 8) exact, or as the band
 alone (sliding-window softmax), by two recipes at the same budget of `--transfer-steps` +
 `--steps` steps (default 50 + 250, 4,800 rows of 128 tokens): LoLCATs' (transfer training the maps and
 the band's learned mix, LoRA in the transfer stage for a kind with neither; then LoRA alone) and full
 fine-tuning (every parameter, the language-model loss throughout). Bands of Hedgehog, T2R and ELU use
 LoLCATs' learned mix (their products are not on softmax's scale); those of the random-feature kinds
 favor's shared normaliser (their products estimate exp(qᵀk/√D)). Day 0 is each run's evaluation before
-its first step; the gap closed is (day 0 − final) / (day 0 − source) in perplexity. `--seeds` runs a
+its first step; the gap closed is (day 0 − final) / (day 0 − source) in perplexity; recall the share of
+an MQAR probe's queried values the final model predicts (Zoology's construction, zero shot: the
+in-context recall linear attention is known to lose). `--seeds` runs a
 setting (default 2; seeds 0, 1: LoRA's and the maps' initialisation, the feature draws, data order);
 mean ± sd over seeds; claims rated at 2 standard errors of the difference of means (favor.repro.trained).
 
 Where favor differs from LoLCATs: a model ~60,000 times smaller than Llama 3 8B and trained minutes, not
 weeks, so that rank-8 adapters are ~2 % of its parameters rather than 0.2 %; 1.2M tokens instead of
-40M; 128-token rows with a 16-key band (LoLCATs: 2048 or more with 64); perplexity on held-out
+40M; 128-token rows with an 8-key band (LoLCATs: 2048 or more with 64); perplexity on held-out
 docstrings in place of MMLU and the LM evaluation harness.
 """
 
@@ -48,13 +51,14 @@ RECIPE_NAMES = {"lolcats": "LoLCATs", "full": "full FT"}
 METRIC = "perplexity"
 MOST = 0.5                # "closes most of the gap": more than half, a priori
 RANDOM = ("FAVOR+", "FAVOR++", "FAVOR#")
+PROBE = {"num_pairs": 8, "examples": 256, "power_a": 0.01}     # the recall probe (Zoology's MQAR, zero-shot)
 
 
 def add_arguments(parser):
     parser.add_argument("--kinds", default=None, help="'/'-separated linear kinds (default "
                                                       "favor+/favor++/favor#/hedgehog/t2r/elu; --quick hedgehog)")
     parser.add_argument("--band", type=int, default=None, help="the band's width in keys, 0: no banded settings "
-                                                               "(default 16; --quick 4)")
+                                                               "(default 8; --quick 4)")
     parser.add_argument("--recipes", default=None, help="'/'-separated: lolcats, full (default both; --quick lolcats)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per setting (default 2)")
     parser.add_argument("--source-steps", type=int, default=None, help="the source's steps (default 1500)")
@@ -97,7 +101,7 @@ def plan(args) -> dict:
     configlib.values("--kinds", kinds, [k for k in attention.names() if k != "softmax"])
     recipes = args.recipes or ("lolcats" if quick else "lolcats/full")
     configlib.values("--recipes", recipes, ("lolcats", "full"))
-    band = args.band if args.band is not None else (4 if quick else 16)
+    band = args.band if args.band is not None else (4 if quick else 8)
     size = "runlocal," if quick else ""
     steps = dict(source_steps=30, transfer_steps=2, steps=6) if quick else dict(
         source_steps=args.source_steps or 1500, steps=args.steps or 250,
@@ -124,7 +128,41 @@ def run(args):
         raise trained.SweepError(f"{root / 'source'}: expected one source run, found {len(source)}")
     runs = trained.run_sweep(p["sweep"], root / "linearize", args.parallel,
                              [f"--config.model.init_from=run:{source[0].workdir.resolve()}"])
-    return _report(p, source[0], runs)
+    recall = {r.name: probe_recall(r.workdir) for r in [source[0], *runs]}
+    return _report(p, source[0], runs, recall)
+
+
+def probe_recall(workdir) -> float:
+    """The share of MQAR's queried values (favor.data.mqar.example: PROBE's pairs at the run's row length,
+    keys and values drawn from its vocabulary's halves, random filler) the run's final model predicts, zero
+    shot: the in-context recall linear attention is known to lose. Kept in <workdir>/recall.json, so a
+    rerun reads it back."""
+    from pathlib import Path
+    cache = Path(workdir) / "recall.json"
+    if cache.exists():
+        got = json.loads(cache.read_text())
+        if got.get("probe") == PROBE:
+            return float(got["recall"])
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from favor.data import mqar
+    from favor.tools import generate
+    config, model, _ = generate.load(workdir)
+    vocab, length = int(config.model.vocab_size), int(config.data.max_length)
+    rng = np.random.default_rng(0)
+    examples = [mqar.example(rng, vocab, length, PROBE["num_pairs"], PROBE["power_a"], True)
+                for _ in range(PROBE["examples"])]
+    ids, targets, weights = (np.stack(a) for a in zip(*examples))
+    graphdef, state = nnx.split(model)
+    logits = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)["logits"])
+    hits = 0.0
+    for i in range(0, len(ids), 64):
+        pred = np.asarray(jnp.argmax(logits(state, jnp.asarray(ids[i:i + 64], jnp.int32)), -1))
+        hits += float(np.sum((pred == targets[i:i + 64]) * weights[i:i + 64]))
+    recall = hits / float(weights.sum())
+    cache.write_text(json.dumps({"probe": PROBE, "recall": recall}))
+    return recall
 
 
 def _day0(run) -> float:
@@ -158,10 +196,12 @@ def _fraction(entry) -> float | None:
     return None if any(v is None for v in values) else float(np.mean(values))
 
 
-def _report(p: dict, source_run, runs) -> Report:
+def _report(p: dict, source_run, runs, recall: dict) -> Report:
     settings = trained.by_setting(runs, _label, METRIC)
     source = trained.final_metric(source_run, METRIC)
     stats = _stats(settings, source)
+    for label, entry in settings.items():
+        stats[label]["recall"] = trained.Stat(tuple(recall[r.name] for r in entry["runs"]))
     src = trained.Stat((source, source))           # one run: its value, no spread
     rows = []
     for label in sorted(stats, key=lambda k: stats[k]["final"].mean):
@@ -169,7 +209,7 @@ def _report(p: dict, source_run, runs) -> Report:
         name, _, recipe = label.partition(" | ")
         fraction = _fraction(entry)
         trainable = (entry["runs"][0].summary or {}).get("trainable_params")
-        rows.append([name, recipe, s["day0"].text(1.0), s["final"].text(1.0), s["closed"].text(),
+        rows.append([name, recipe, s["day0"].text(1.0), s["final"].text(1.0), s["closed"].text(), s["recall"].text(),
                      None if trainable is None else f"{trainable:,} ({100 * fraction:.2f} %)",
                      _tokens(entry["runs"][0]), s["final"].n])
     comparisons = []
@@ -225,12 +265,17 @@ def _report(p: dict, source_run, runs) -> Report:
     if mse:
         notes.append("Attention MSE against softmax before → after the transfer stage (mean over layers and seeds): "
                      + "; ".join(f"{k.split(' |')[0]} {a:.3g} → {b:.3g}" for k, (a, b) in mse.items()) + ".")
+    notes.append(f"Recall: the share of {PROBE['examples']} MQAR sequences' queried values (favor.data.mqar, "
+                 f"{PROBE['num_pairs']} key-value pairs at the row length, tokens of the model's vocabulary) each "
+                 f"final model predicts zero shot; the softmax source recalls {100 * recall[source_run.name]:.1f} %.")
     checks = [trained.complete(settings, p["asked"], runs, p["seeds"], METRIC)]
     figures = {"source": {"config": p["source"].split("/")[-1], "perplexity": source,
-                          "steps": source_run.summary.get("step")},
+                          "steps": source_run.summary.get("step"), "recall": recall[source_run.name]},
+               "probe": PROBE,
                "sweep": p["sweep"].split("/")[-1], "seeds": p["seeds"], "attention_mse": mse,
                "settings": {k: {"day0": list(s["day0"].values), "final": list(s["final"].values),
-                                "closed": list(s["closed"].values), "tokens": _tokens(settings[k]["runs"][0]),
+                                "closed": list(s["closed"].values), "recall": list(s["recall"].values),
+                                "tokens": _tokens(settings[k]["runs"][0]),
                                 "trainable_fraction": _fraction(settings[k]),
                                 "runs": [r.name for r in settings[k]["runs"]],
                                 "curves": {r.name: trained.curve(r, METRIC) for r in settings[k]["runs"]}}
@@ -241,7 +286,8 @@ def _report(p: dict, source_run, runs) -> Report:
 
     return Report(title=f"{NAME}: a softmax decoder linearized by LoLCATs' recipe and by full fine-tuning",
                   protocol=PROTOCOL, columns=["setting", "recipe", "day 0 perplexity", "perplexity",
-                                              "gap closed (%)", "trained parameters", "tokens", "seeds"],
+                                              "gap closed (%)", "recall (%)", "trained parameters", "tokens",
+                                              "seeds"],
                   rows=rows, figures=figures, plot=plot, checks=checks, comparisons=comparisons, notes=notes,
                   figsize=(15, 6.5))
 
