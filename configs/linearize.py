@@ -23,7 +23,7 @@ has nothing to learn), LoRA or full fine-tuning for the whole budget.
 
 Args: stage=source|linearize, kind, window, recipe=lolcats|full, source_steps, transfer_steps, steps,
 runlocal (the tests' tiny model); the sweep's seeds, kinds ('/'-separated), band (the window of the
-banded settings, 0: none) and recipes.
+banded settings, 0: none), recipes and alone (whether the band alone is a setting).
 """
 
 from configs import decoder_lm
@@ -41,7 +41,7 @@ TRANSFER_LR = 1e-2               # LoLCATs' attention-transfer rate
 def _args(arg):
     return configlib.parse_arg(arg, stage="linearize", kind="favor+", window=0, recipe="lolcats",
                                source_steps=1500, transfer_steps=50, steps=250, runlocal=False,
-                               seeds=2, kinds="/".join(KINDS), band=8, recipes="/".join(RECIPES))
+                               seeds=2, kinds="/".join(KINDS), band=8, recipes="/".join(RECIPES), alone=True)
 
 
 def recipe_overrides(kind: str, window: int, recipe: str, transfer_steps: int, steps: int) -> dict:
@@ -62,8 +62,8 @@ def recipe_overrides(kind: str, window: int, recipe: str, transfer_steps: int, s
 
 
 def sweep(arg=None):
-    """stage=source: the one source run. Else every kind of `kinds` without and with the band, and the
-    band alone (softmax@band), by each recipe, seed by seed."""
+    """stage=source: the one source run. Else every kind of `kinds` without and with the band, and (with
+    `alone`) the band alone (softmax@band), by each recipe, seed by seed."""
     args = _args(arg)
     if args.stage == "source":
         yield {"seed": 0}
@@ -72,7 +72,8 @@ def sweep(arg=None):
         raise ValueError(f"seeds={args.seeds}, band={args.band}: expected seeds ≥ 1 and a band ≥ 0")
     kinds = configlib.values("kinds", args.kinds, [k for k in attention.names() if k != "softmax"])
     band = int(args.band)
-    shapes = [(k, w) for k in kinds for w in ((0, band) if band else (0,))] + ([("softmax", band)] if band else [])
+    shapes = [(k, w) for k in kinds for w in ((0, band) if band else (0,))]
+    shapes += [("softmax", band)] if band and args.alone else []
     settings = []
     for recipe in configlib.values("recipes", args.recipes, RECIPES):
         for kind, window in shapes:

@@ -893,9 +893,10 @@ def test_a_kind_spec_names_its_kind_variant_and_window():
     assert attention.parse_spec("hrf:cluster") == ("hrf", {"lambda_": "cluster"})
     assert attention.parse_spec("simrf:oprf") == ("simrf", {"features": "oprf"})
     assert attention.parse_spec("relu") == ("relu", {})
+    assert attention.parse_spec("softmax@8") == ("softmax", {"window": 8})          # the band alone
     for spec, words in (("nope", ["unknown attention kind 'nope'", "favor+"]), ("relu:x", ["has no variant", "hrf"]),
                         ("hrf:bogus", ["'bogus'", "'angular'"]), ("favor+@x", ["window", "'x'"]),
-                        ("softmax@8", ["window"])):
+                        ("elu@-2", ["window", "'-2'"])):
         with pytest.raises(ValueError) as e:
             attention.parse_spec(spec)
         assert all(w in str(e.value) for w in words), str(e.value)

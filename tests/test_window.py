@@ -303,11 +303,12 @@ def test_learned_mix_gradients_equal_those_of_the_explicit_form(causal):
     assert float(jnp.max(jnp.abs(got[3]))) > 1e-3            # the mix is trained by this loss
 
 
-@pytest.mark.parametrize("kind", ["favor+", "hedgehog", "elu"])
+@pytest.mark.parametrize("kind", ["hedgehog", "elu"])
 def test_learned_mix_decoding_equals_the_causal_pass(kind):
     """Token by token with the learned mix (and ELU's / hedgehog's band on scaled inputs) equals the
     causal pass, a padded token included; prefills of every length decode on to the same outputs; a
-    future token moves no past output, bit for bit."""
+    future token moves no past output, bit for bit. (A random-feature kind's band decodes through the
+    same window code: test_decoding_step_equals_causal_pass.)"""
     attn = make(kind, chunk_size=4, window=3, window_mix="learned", num_features=8 if kind != "favor+" else 16)
     d, l = 8, 9
     q, k, v = qkv(lq=l, lk=l, d=d, scale=1.5)

@@ -108,8 +108,9 @@ def plan(args) -> dict:
         transfer_steps=50 if args.transfer_steps is None else args.transfer_steps)
     path = trained.config_path("linearize.py")
     source = f"{path}:{size}stage=source,source_steps={steps['source_steps']}"
+    # the quick run leaves out the band alone: the tests' time (its path is the banded kinds' with softmax)
     sweep = (f"{path}:{size}seeds={seeds},kinds={kinds},band={band},recipes={recipes},"
-             f"transfer_steps={steps['transfer_steps']},steps={steps['steps']}")
+             f"transfer_steps={steps['transfer_steps']},steps={steps['steps']}" + (",alone=False" if quick else ""))
     from favor import sweeps                  # the sweep's own settings are the ones the report asks for
     asked = sorted({_label(_Settings(r.overrides)) for r in sweeps.load(sweep)})
     return {"source": source, "sweep": sweep, "seeds": seeds, "asked": asked, **steps}
@@ -300,9 +301,9 @@ def rows_fraction(entry) -> str:
 def _plot(fig, settings, stats, source):
     import matplotlib
     ax_curve, ax_dots = fig.subplots(1, 2, width_ratios=[1, 1.2])
-    colours = matplotlib.colormaps["tab10"]
+    colours = matplotlib.colormaps["tab20"]            # 13 settings: one colour each, not cycled
     names = list(dict.fromkeys(k.split(" | ")[0] for k in stats))
-    colour = {n: colours(i % 10) for i, n in enumerate(names)}
+    colour = {n: colours(i % 20) for i, n in enumerate(names)}
     for label, entry in settings.items():
         name, _, recipe = label.partition(" | ")
         steps, mean, _ = trained.mean_curve(entry["runs"], METRIC)
