@@ -102,12 +102,6 @@ def features_base(config):
     return jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), FEATURES_STREAM)
 
 
-def features_key(config, step):
-    """ω for `step`: its own stream folded with the step's redraw window, so a resumed run draws
-    exactly what an uninterrupted one does."""
-    return redraw_schedule(config).key(features_base(config), step)
-
-
 def build_source(config):
     """The data source; on several processes process 0 builds it first (first-use work: a local corpus,
     a tokenizer, packed tokens, written to a shared data_dir), the others then find it prepared."""

@@ -100,10 +100,6 @@ def batch_sharding(mesh):
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def batch_divisor(mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 def global_batch(local: Mapping[str, np.ndarray], mesh, pad_hosts: bool = False) -> dict[str, jax.Array]:
     """Each process passes its own slice of the global batch; the result is one global array per key,
     sharded over the batch axes (the same code runs on one host and on many). `pad_hosts`: the source

@@ -164,8 +164,10 @@ def test_features_follow_the_redraw_schedule():
     draws = lambda rest: [np.asarray(x) for x in jax.tree.leaves(rest) if jnp.issubdtype(x.dtype, jnp.floating)]
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(draws(a), draws(b)))
     assert same(rests[0], rests[1]) and not same(rests[0], rests[2])
+    # the schedule the trainer is given (job.make_train_step's redraw) keys step 3 with its window, 1
     config = tiny(**{"model.attention.redraw": "every:2"})
-    assert np.array_equal(job.features_key(config, 3), jax.random.fold_in(job.features_base(config), 1))
+    assert np.array_equal(job.redraw_schedule(config).key(job.features_base(config), 3),
+                          jax.random.fold_in(job.features_base(config), 1))
 
 
 LAYOUTS_SCRIPT = """
