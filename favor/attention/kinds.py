@@ -120,8 +120,8 @@ class Softmax(Attention):
                                            scale=d ** -0.5)[..., :dv]
         if mask is not None:   # a query with no valid key attends to nothing: 0, not NaN
             seen = jnp.asarray(mask, bool)
-            if self.window:          # the keys each query's band holds
-                sees = jnp.any(m & seen[:, None, None, :], -1)[:, 0]                  # [B, Lq]
+            if self.window:          # the valid keys each query's band holds (m has the padding in it)
+                sees = jnp.any(m, -1)[:, 0]                                           # [B, Lq]
                 out = jnp.where(sees[:, :, None, None], out, 0.0)
             elif causal:
                 seen = linear.cumulative(seen, jnp.logical_or, False, axis=1)[:, k.shape[1] - q.shape[1]:]

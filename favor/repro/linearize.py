@@ -80,8 +80,13 @@ def recipe_of(settings: dict) -> str:
     return "lolcats" if settings.get("uptrain.finetune") == "lora" else "full"
 
 
+def label_of(settings: dict) -> str:
+    """A setting and its recipe, "Hedgehog + band 8 | LoLCATs", from a run's dotted settings."""
+    return f"{setting_label(settings)} | {RECIPE_NAMES[recipe_of(settings)]}"
+
+
 def _label(run):
-    return f"{setting_label(run.settings)} | {RECIPE_NAMES[recipe_of(run.settings)]}"
+    return label_of(run.settings)
 
 
 def plan(args) -> dict:
@@ -112,13 +117,8 @@ def plan(args) -> dict:
     sweep = (f"{path}:{size}seeds={seeds},kinds={kinds},band={band},recipes={recipes},"
              f"transfer_steps={steps['transfer_steps']},steps={steps['steps']}" + (",alone=False" if quick else ""))
     from favor import sweeps                  # the sweep's own settings are the ones the report asks for
-    asked = sorted({_label(_Settings(r.overrides)) for r in sweeps.load(sweep)})
+    asked = sorted({label_of(r.overrides) for r in sweeps.load(sweep)})
     return {"source": source, "sweep": sweep, "seeds": seeds, "asked": asked, **steps}
-
-
-class _Settings:
-    def __init__(self, settings):
-        self.settings = settings
 
 
 def run(args):
@@ -232,7 +232,7 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
         v, z = trained.rate(stats[label]["closed"], trained.Stat((MOST, MOST)))
         comparisons.append((f"LoLCATs: transfer + LoRA closes most of the gap — {label.split(' |')[0]} closes "
                             f"{stats[label]['closed'].text()} % of it (> {100 * MOST:.0f} %; "
-                            f"{rows_fraction(settings[label])} of the parameters trained) (z = {z:.1f})", v))
+                            f"{100 * (_fraction(settings[label]) or 0):.2f} % of the parameters trained) (z = {z:.1f})", v))
         plain = label.replace(" + band ", " | ").split(" | ")[0] + f" | {lol}"
         if plain in stats:
             rate(label, plain, "final", " — LoLCATs: band + linear beats linear alone, perplexity")
@@ -291,11 +291,6 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
                                               "seeds"],
                   rows=rows, figures=figures, plot=plot, checks=checks, comparisons=comparisons, notes=notes,
                   figsize=(15, 6.5))
-
-
-def rows_fraction(entry) -> str:
-    f = _fraction(entry)
-    return "–" if f is None else f"{100 * f:.2f} %"
 
 
 def _plot(fig, settings, stats, source):
