@@ -36,11 +36,13 @@ SOURCE_LR = 2e-3
 FULL_LR = SOURCE_LR / 4          # fine-tuning practice: a quarter of the source's peak rate
 LORA_LR = SOURCE_LR              # adapters starting at zero take a larger rate than full fine-tuning
 TRANSFER_LR = 1e-2               # LoLCATs' attention-transfer rate
+RECALL_VOCAB = 256
 
 
 def _args(arg):
     return configlib.parse_arg(arg, stage="linearize", kind="favor+", window=0, recipe="lolcats",
-                               source_steps=1500, transfer_steps=50, steps=250, runlocal=False,
+                               source_steps=6000, transfer_steps=50, steps=250, recall_rate=0.5, pairs=4, noise=False,
+                               runlocal=False,
                                seeds=2, kinds="/".join(KINDS), band=8, recipes="/".join(RECIPES), alone=True)
 
 
@@ -98,6 +100,15 @@ def get_config(arg=None):
         c.model.update(hidden=128, num_layers=2, heads=4, mlp_dim=384, vocab_size=2000)
         c.data.vocab_size = 2000
         c.batch_size = 16
+    rate = float(args.recall_rate)
+    if not 0 <= rate < 1:
+        raise ValueError(f"recall_rate={args.recall_rate}: expected the share of each batch in [0, 1)")
+    if rate:
+        # MQAR over the vocabulary's first 256 ids (its other ids are the docstrings' too): the task a
+        # 2,000-id vocabulary would take far longer to learn (favor.repro.mqar_kernels' finding at 2,048)
+        c.data.mix_in = {"name": "mqar", "vocab_size": RECALL_VOCAB, "seq_len": int(c.data.max_length),
+                         "num_pairs": int(args.pairs), "random_non_queries": bool(args.noise)}
+        c.data.mix_rate = rate
     c.model.attention = configlib.attention("softmax" if stage == "source" else args.kind,
                                             num_features=int(c.model.attention.num_features))
     if stage == "source":

@@ -626,9 +626,12 @@ def test_linearize_report_reads_day_0_the_gap_closed_and_rates_by_hand_computed_
                ("hedgehog", 0, "full"): ((300.0, 310.0), (70.0, 75.0))}
     runs = [run(k, w, r, s, d, f) for (k, w, r), (day0, final) in figures.items()
             for s, (d, f) in enumerate(zip(day0, final))]
-    source = RunRecord("src", None, config={}, status="finished", step=1500,
-                       summary={"step": 1500, "perplexity": 50.0}, curves={})
-    recall = {r.name: 0.5 for r in runs} | {"src": 0.9}
+    source = RunRecord("src", None, config={"data.mix_in.name": "mqar", "data.mix_in.num_pairs": 8,
+                                            "data.mix_in.vocab_size": 256, "data.mix_rate": 0.25},
+                       status="finished", step=1500, summary={"step": 1500, "perplexity": 50.0}, curves={})
+    measured = {("softmax", 16): (0.20, 0.24), ("hedgehog", 0): (0.40, 0.46), ("favor#", 0): (0.55, 0.61)}
+    recall = {r.name: measured.get((r.config["model.attention.kind"], r.config["model.attention.window"]),
+                                   (0.5, 0.52))[r.config["seed"]] for r in runs} | {"src": 0.9}
     p = {"source": "/c/configs/linearize.py:stage=source", "sweep": "/c/configs/linearize.py:seeds=2",
          "seeds": 2, "asked": sorted({lin._label(r) for r in runs})}
     rep = lin._report(p, source, runs, recall)
@@ -636,7 +639,7 @@ def test_linearize_report_reads_day_0_the_gap_closed_and_rates_by_hand_computed_
     closed = [(200 - 60) / (200 - 50), (210 - 61) / (210 - 50)]
     assert row[2] == "205.0 ± 7.1" and row[3] == "60.5 ± 0.7"
     assert row[4] == f"{100 * np.mean(closed):.1f} ± {100 * np.std(closed, ddof=1):.1f}"
-    assert row[5] == "50.0 ± 0.0" and row[6] == "100 (2.00 %)" and row[7] == 300 * 16 * 128
+    assert row[5] == "51.0 ± 1.4" and row[6] == "100 (2.00 %)" and row[7] == 300 * 16 * 128
     texts = dict(rep.comparisons)
 
     def z(a, b):          # lower is better: (b − a) / SE
@@ -649,13 +652,19 @@ def test_linearize_report_reads_day_0_the_gap_closed_and_rates_by_hand_computed_
     assert f"(z = {z([80.0, 90.0], [120.0, 130.0]):.1f})" in hh and texts[hh] == "agrees"
     sharp = next(t for t in texts if "FAVOR# inherits the most on day 0" in t)
     assert f"(z = {z([250.0, 260.0], [400.0, 420.0]):.1f})" in sharp and texts[sharp] == "agrees"
-    task = next(t for t in texts if t.startswith("task check"))
+    task = next(t for t in texts if t.startswith("task check") and "perplexity" in t)
     assert "band 16 alone" in task and texts[task] == "agrees"            # 50 against 66–67
+    # recall, higher is better: the source's one run against 20 % and 24 %, and against the best linear kind
+    # without a band (FAVOR#: 55 %, 61 %)
+    task = next(t for t in texts if "recall needs more than the band" in t)
+    assert f"(z = {(90 - 22) / np.sqrt(np.var([20, 24], ddof=1) / 2):.1f})" in task and texts[task] == "agrees"
+    zoo = next(t for t in texts if t.startswith("Zoology") and "FAVOR# | LoLCATs (58.0 ± 4.2 %)" in t)
+    assert f"(z = {(90 - 58) / np.sqrt(np.var([55, 61], ddof=1) / 2):.1f})" in zoo and texts[zoo] == "agrees"
     most = next(t for t in texts if "closes most of the gap" in t)
     gap = np.array(closed)
     assert f"(z = {(gap.mean() - 0.5) / np.sqrt(np.var(gap, ddof=1) / 2):.1f})" in most
     assert "2.00 % of the parameters" in most
-    assert any("source recalls 90.0 %" in n for n in rep.notes)
+    assert any("source recalls 90.0 %" in n and "8 key-value pairs" in n for n in rep.notes)
     assert rep.checks[0][1]
     missing = lin._report({**p, "asked": p["asked"] + ["T2R | LoLCATs"]}, source, runs, recall)
     assert missing.checks[0][1] is False

@@ -12,6 +12,9 @@ sharded loop assembles global arrays from the local slices (favor.sharding.globa
     data.names()            # every dataset name
     data.get(config.data)   # the source the block names (its other keys are the source's options)
     data.check(config.data) # the same errors as get, building nothing
+
+A block may mix a second source into its training batches: `mix_in` (that source's block) and `mix_rate`
+(the share of each batch it fills; favor.data.mixture).
 """
 
 from __future__ import annotations
@@ -29,4 +32,49 @@ REGISTRY = Registry("dataset", {
     "mqar": "favor.data.mqar:Mqar",                    # multi-query associative recall (Zoology's construction)
 })
 
-names, get, check = REGISTRY.names, REGISTRY.from_block, REGISTRY.check_block
+names = REGISTRY.names
+MIX_KEYS = ("mix_in", "mix_rate")
+
+
+def _split_mix(block):
+    """(the main block, the mixed-in block or None, the rate), with the mix keys' errors."""
+    block = dict(block)
+    extra, rate = block.pop("mix_in", None), block.pop("mix_rate", None)
+    if extra is not None and hasattr(extra, "keys") and not dict(extra):
+        extra = None                         # an empty block (a config's placeholder): nothing mixed in
+    if extra is None:
+        if rate:
+            raise ValueError(f"data.mix_rate={rate}: needs data.mix_in (the block of the source to mix in)")
+        return block, None, 0.0
+    if isinstance(extra, str) or not hasattr(extra, "keys"):
+        raise ValueError(f"data.mix_in={extra!r}: expected a data block ({{'name': <one of "
+                         f"{', '.join(names())}>, ...options}})")
+    extra = dict(extra)
+    if "mix_in" in extra:
+        raise ValueError("data.mix_in.mix_in: a mixed-in source cannot mix in another")
+    try:
+        rate = float(rate if rate is not None else "nan")
+    except (TypeError, ValueError):
+        rate = float("nan")
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"data.mix_rate={block.get('mix_rate', rate)}: expected the share of each training batch "
+                         f"the mixed-in source fills, in (0, 1)")
+    return block, extra, rate
+
+
+def get(block):
+    """The source a data block names, with its mixed-in source when it has one."""
+    main, extra, rate = _split_mix(block)
+    if extra is None:
+        return REGISTRY.from_block(main)
+    from favor.data.mixture import Mixture
+    return Mixture(REGISTRY.from_block(main), REGISTRY.from_block(extra), rate,
+                   names=(main.get("name"), extra.get("name")))
+
+
+def check(block) -> None:
+    """`get`'s errors, building nothing."""
+    main, extra, _ = _split_mix(block)
+    REGISTRY.check_block(main)
+    if extra is not None:
+        REGISTRY.check_block(extra)

@@ -51,7 +51,7 @@ RECIPE_NAMES = {"lolcats": "LoLCATs", "full": "full FT"}
 METRIC = "perplexity"
 MOST = 0.5                # "closes most of the gap": more than half, a priori
 RANDOM = ("FAVOR+", "FAVOR++", "FAVOR#")
-PROBE = {"num_pairs": 8, "examples": 256, "power_a": 0.01}     # the recall probe (Zoology's MQAR, zero-shot)
+PROBE_EXAMPLES = 512      # held-out MQAR sequences the recall probe reads
 
 
 def add_arguments(parser):
@@ -61,7 +61,7 @@ def add_arguments(parser):
                                                                "(default 8; --quick 4)")
     parser.add_argument("--recipes", default=None, help="'/'-separated: lolcats, full (default both; --quick lolcats)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per setting (default 2)")
-    parser.add_argument("--source-steps", type=int, default=None, help="the source's steps (default 1500)")
+    parser.add_argument("--source-steps", type=int, default=None, help="the source's steps (default 6000)")
     parser.add_argument("--transfer-steps", type=int, default=None, help="LoLCATs' transfer steps (default 50)")
     parser.add_argument("--steps", type=int, default=None, help="steps after the transfer (default 250)")
     trained.add_sweep_arguments(parser)
@@ -109,7 +109,7 @@ def plan(args) -> dict:
     band = args.band if args.band is not None else (4 if quick else 8)
     size = "runlocal," if quick else ""
     steps = dict(source_steps=30, transfer_steps=2, steps=6) if quick else dict(
-        source_steps=args.source_steps or 1500, steps=args.steps or 250,
+        source_steps=args.source_steps or 6000, steps=args.steps or 250,
         transfer_steps=50 if args.transfer_steps is None else args.transfer_steps)
     path = trained.config_path("linearize.py")
     source = f"{path}:{size}stage=source,source_steps={steps['source_steps']}"
@@ -133,36 +133,41 @@ def run(args):
     return _report(p, source[0], runs, recall)
 
 
-def probe_recall(workdir) -> float:
-    """The share of MQAR's queried values (favor.data.mqar.example: PROBE's pairs at the run's row length,
-    keys and values drawn from its vocabulary's halves, random filler) the run's final model predicts, zero
-    shot: the in-context recall linear attention is known to lose. Kept in <workdir>/recall.json, so a
-    rerun reads it back."""
+def probe_recall(workdir) -> float | None:
+    """The share of queried values the run's final model predicts on PROBE_EXAMPLES sequences of the eval
+    split of the MQAR task its data mixes in (`data.mix_in`: favor.data.mqar, the stream training never
+    reads): the in-context recall linear attention is known to lose. None for a run with no MQAR mixed in.
+    Kept in <workdir>/recall.json with the checkpoint it read, so a rerun reads it back."""
     from pathlib import Path
+    config = json.loads((Path(workdir) / "config.json").read_text()) if (Path(workdir) / "config.json").exists() \
+        else None
+    block = dict(((config or {}).get("data") or {}).get("mix_in") or {})
+    if block.get("name") != "mqar":
+        return None
+    steps = [int(d.name) for d in (Path(workdir) / "checkpoints").glob("*") if d.name.isdigit()]
+    probe = {**block, "examples": PROBE_EXAMPLES, "step": max(steps, default=None)}    # a longer run probes again
     cache = Path(workdir) / "recall.json"
     if cache.exists():
         got = json.loads(cache.read_text())
-        if got.get("probe") == PROBE:
+        if got.get("probe") == probe:
             return float(got["recall"])
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from favor.data import mqar
+    from favor import data
     from favor.tools import generate
-    config, model, _ = generate.load(workdir)
-    vocab, length = int(config.model.vocab_size), int(config.data.max_length)
-    rng = np.random.default_rng(0)
-    examples = [mqar.example(rng, vocab, length, PROBE["num_pairs"], PROBE["power_a"], True)
-                for _ in range(PROBE["examples"])]
-    ids, targets, weights = (np.stack(a) for a in zip(*examples))
+    _, model, _ = generate.load(workdir)
+    source = data.get({**block, "num_eval": PROBE_EXAMPLES})
     graphdef, state = nnx.split(model)
     logits = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)["logits"])
-    hits = 0.0
-    for i in range(0, len(ids), 64):
-        pred = np.asarray(jnp.argmax(logits(state, jnp.asarray(ids[i:i + 64], jnp.int32)), -1))
-        hits += float(np.sum((pred == targets[i:i + 64]) * weights[i:i + 64]))
-    recall = hits / float(weights.sum())
-    cache.write_text(json.dumps({"probe": PROBE, "recall": recall}))
+    hits = total = 0.0
+    for batch in source.eval_batches(64):
+        pred = np.asarray(jnp.argmax(logits(state, jnp.asarray(batch["input_ids"], jnp.int32)), -1))
+        weights = batch["weights"] * batch["valid"][:, None]
+        hits += float(np.sum((pred == batch["targets"]) * weights))
+        total += float(weights.sum())
+    recall = hits / total
+    cache.write_text(json.dumps({"probe": probe, "recall": recall}))
     return recall
 
 
@@ -201,8 +206,10 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
     settings = trained.by_setting(runs, _label, METRIC)
     source = trained.final_metric(source_run, METRIC)
     stats = _stats(settings, source)
+    probed = recall.get(source_run.name) is not None
     for label, entry in settings.items():
-        stats[label]["recall"] = trained.Stat(tuple(recall[r.name] for r in entry["runs"]))
+        if probed:
+            stats[label]["recall"] = trained.Stat(tuple(100 * recall[r.name] for r in entry["runs"]))
     src = trained.Stat((source, source))           # one run: its value, no spread
     rows = []
     for label in sorted(stats, key=lambda k: stats[k]["final"].mean):
@@ -210,11 +217,13 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
         name, _, recipe = label.partition(" | ")
         fraction = _fraction(entry)
         trainable = (entry["runs"][0].summary or {}).get("trainable_params")
-        rows.append([name, recipe, s["day0"].text(1.0), s["final"].text(1.0), s["closed"].text(), s["recall"].text(),
+        rows.append([name, recipe, s["day0"].text(1.0), s["final"].text(1.0), s["closed"].text(),
+                     s["recall"].text(1.0) if probed else None,
                      None if trainable is None else f"{trainable:,} ({100 * fraction:.2f} %)",
                      _tokens(entry["runs"][0]), s["final"].n])
     comparisons = []
     lower = dict(higher_is_better=False)
+    src_recall = trained.Stat((100 * recall[source_run.name],) * 2) if probed else None
 
     def rate(better, worse, key, why, scale=1.0):
         a, b = stats[better][key], stats[worse][key]
@@ -227,6 +236,21 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
             comparisons.append((f"task check: the softmax source ({source:.1f}) below the {label.split(' |')[0]} "
                                 f"model after the same budget ({stats[label]['final'].text(1.0)}), perplexity: the "
                                 f"task needs more than the band (z = {z:.1f})", v))
+            if probed:
+                got = stats[label]["recall"]
+                v, z = trained.rate(src_recall, got)
+                comparisons.append((f"task check: the softmax source recalls {src_recall.mean:.1f} % of MQAR's "
+                                    f"queried values, above the {label.split(' |')[0]} model ({got.text(1.0)} %): "
+                                    f"recall needs more than the band (z = {z:.1f})", v))
+        if probed:
+            alone = [k for k in stats if k.endswith(f"| {recipe}") and " band " not in k]
+            if alone:
+                best = max(alone, key=lambda k: stats[k]["recall"].mean)
+                got = stats[best]["recall"]
+                v, z = trained.rate(src_recall, got)
+                comparisons.append((f"Zoology: a linear attention's fixed state recalls less than softmax's cache — "
+                                    f"the source {src_recall.mean:.1f} % against the best linear kind without a "
+                                    f"band, {best} ({got.text(1.0)} %) (z = {z:.1f})", v))
     lol = RECIPE_NAMES["lolcats"]
     for label in [k for k in stats if k.endswith(f"| {lol}") and " + band " in k]:
         v, z = trained.rate(stats[label]["closed"], trained.Stat((MOST, MOST)))
@@ -266,16 +290,21 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
     if mse:
         notes.append("Attention MSE against softmax before → after the transfer stage (mean over layers and seeds): "
                      + "; ".join(f"{k.split(' |')[0]} {a:.3g} → {b:.3g}" for k, (a, b) in mse.items()) + ".")
-    notes.append(f"Recall: the share of {PROBE['examples']} MQAR sequences' queried values (favor.data.mqar, "
-                 f"{PROBE['num_pairs']} key-value pairs at the row length, tokens of the model's vocabulary) each "
-                 f"final model predicts zero shot; the softmax source recalls {100 * recall[source_run.name]:.1f} %.")
+    block = {k.rsplit(".", 1)[1]: v for k, v in (source_run.config or {}).items() if k.startswith("data.mix_in.")}
+    if probed:
+        notes.append(f"Recall: the share of queried values each final model predicts on {PROBE_EXAMPLES} held-out "
+                     f"MQAR sequences (favor.data.mqar, {block.get('num_pairs')} key-value pairs at the row length "
+                     f"over the vocabulary's first {block.get('vocab_size')} ids), the task the source's and every "
+                     f"run's training batches mix in at {source_run.config.get('data.mix_rate')} of each batch; the "
+                     f"softmax source recalls {src_recall.mean:.1f} %.")
     checks = [trained.complete(settings, p["asked"], runs, p["seeds"], METRIC)]
     figures = {"source": {"config": p["source"].split("/")[-1], "perplexity": source,
                           "steps": source_run.summary.get("step"), "recall": recall[source_run.name]},
-               "probe": PROBE,
+               "probe": {**block, "examples": PROBE_EXAMPLES} if probed else None,
                "sweep": p["sweep"].split("/")[-1], "seeds": p["seeds"], "attention_mse": mse,
                "settings": {k: {"day0": list(s["day0"].values), "final": list(s["final"].values),
-                                "closed": list(s["closed"].values), "recall": list(s["recall"].values),
+                                "closed": list(s["closed"].values),
+                                "recall": list(s["recall"].values) if probed else None,
                                 "tokens": _tokens(settings[k]["runs"][0]),
                                 "trainable_fraction": _fraction(settings[k]),
                                 "runs": [r.name for r in settings[k]["runs"]],
@@ -283,19 +312,22 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
                             for k, s in stats.items()}}
 
     def plot(fig):
-        _plot(fig, settings, stats, source)
+        _plot(fig, settings, stats, source, src_recall.mean if probed else None)
 
     return Report(title=f"{NAME}: a softmax decoder linearized by LoLCATs' recipe and by full fine-tuning",
                   protocol=PROTOCOL, columns=["setting", "recipe", "day 0 perplexity", "perplexity",
                                               "gap closed (%)", "recall (%)", "trained parameters", "tokens",
                                               "seeds"],
                   rows=rows, figures=figures, plot=plot, checks=checks, comparisons=comparisons, notes=notes,
-                  figsize=(15, 6.5))
+                  figsize=(19 if probed else 15, 6.5))
 
 
-def _plot(fig, settings, stats, source):
+def _plot(fig, settings, stats, source, source_recall):
     import matplotlib
-    ax_curve, ax_dots = fig.subplots(1, 2, width_ratios=[1, 1.2])
+    if source_recall is None:
+        ax_curve, ax_dots = fig.subplots(1, 2, width_ratios=[1, 1.2])
+    else:
+        ax_curve, ax_dots, ax_recall = fig.subplots(1, 3, width_ratios=[1, 1.2, 0.55])
     colours = matplotlib.colormaps["tab20"]            # 13 settings: one colour each, not cycled
     names = list(dict.fromkeys(k.split(" | ")[0] for k in stats))
     colour = {n: colours(i % 20) for i, n in enumerate(names)}
@@ -329,5 +361,19 @@ def _plot(fig, settings, stats, source):
     ax_dots.set_title("each setting: day 0 and after, with the share of the gap to the source closed")
     ax_dots.grid(alpha=0.3, axis="x", which="both")
     ax_dots.legend(fontsize=7, loc="lower right")
+    if source_recall is not None:
+        for y, label in zip(ys, order):
+            s = stats[label]["recall"]
+            se = s.sd / math.sqrt(s.n) if s.n > 1 else 0.0
+            name = label.split(" | ")[0]
+            ax_recall.errorbar(s.mean, y, xerr=2 * se, fmt="o", color=colour[name], ms=7, capsize=3)
+        ax_recall.axvline(source_recall, color="black", lw=1.5, label=f"softmax source ({source_recall:.0f} %)")
+        ax_recall.set_yticks(ys, [""] * len(ys))
+        ax_recall.set_ylim(ax_dots.get_ylim())
+        ax_recall.set_xlim(-3, 103)
+        ax_recall.set_xlabel("MQAR recall (%) after the budget, mean ± 2 SE")
+        ax_recall.set_title("associative recall (held-out MQAR)")
+        ax_recall.grid(alpha=0.3, axis="x")
+        ax_recall.legend(fontsize=7, loc="lower right")
     fig.suptitle("Linearizing a softmax decoder: perplexity of each linear attention, LoLCATs' recipe against "
                  "full fine-tuning")
