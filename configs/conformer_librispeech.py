@@ -48,7 +48,7 @@ feature width for all; trig and HRF with qk_norm=l2); each with `seeds` seeds:
 
 import ml_collections
 
-from favor import configlib, sweeps
+from favor import configlib, strings, sweeps
 
 # the sweep's axes (get_config ignores them): "/"-separated narrow widths; floor=False leaves out the
 # model without attention; quick: softmax and FAVOR+ at the narrowest width only (the tests')
@@ -138,7 +138,7 @@ def sweep(arg=None):
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    narrow = sorted({int(w) for w in str(args.narrow).split("/") if w})
+    narrow = sorted(set(strings.positive_ints("narrow", args.narrow)))
     if not narrow or min(narrow) < 1 or int(args.wide) < 1:
         raise ValueError(f"narrow={args.narrow}, wide={args.wide}: expected positive widths, '/'-separated")
     kind, width, lam = "model.attention.kind", "model.attention.num_features", "model.attention.lambda_"

@@ -22,7 +22,7 @@ so that every kind appears without tripling the runs), bands (window sizes for F
     python launch/sweep_local.py --config configs/mqar.py:seeds=3 --workdir runs/mqar --parallel 2
 """
 
-from favor import attention, configlib, sweeps
+from favor import attention, configlib, strings, sweeps
 
 SWEEP_KINDS = ("favor+", "favor++", "favor#", "elu")
 
@@ -39,8 +39,8 @@ def sweep(arg=None):
     sign-indefinite kinds with queries and keys on the sphere (qk_norm=l2); ReLU/ELU once (F = head dim);
     FAVOR+ at the middle width with each exact band of `bands`; seed by seed."""
     args = _args(arg)
-    widths = sorted({int(w) for w in str(args.widths).split("/") if w})
-    if not widths or min(widths) < 1 or int(args.seeds) < 1:
+    widths = sorted(set(strings.positive_ints("widths", args.widths)))
+    if int(args.seeds) < 1:
         raise ValueError(f"widths={args.widths}, seeds={args.seeds}: expected positive numbers")
     kind, width, band = "model.attention.kind", "model.attention.num_features", "model.attention.window"
     settings = [{kind: "softmax"}]
@@ -53,7 +53,7 @@ def sweep(arg=None):
         norm = {} if getattr(attention.get(k), "positive", True) else {"model.attention.qk_norm": "l2"}
         settings += [{kind: k}] if k in ("relu", "elu") else [{kind: k, width: w, **norm} for w in ws]
     settings += [{kind: "favor+", width: widths[len(widths) // 2], band: int(b)}
-                 for b in str(args.bands).split("/") if b and int(b) > 0]
+                 for b in strings.positive_ints("bands", args.bands, nonempty=False)]
     yield from sweeps.seed_by_seed(settings, range(int(args.seeds)))
 
 

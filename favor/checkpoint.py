@@ -22,6 +22,23 @@ import orbax.checkpoint as ocp
 log = logging.getLogger(__name__)
 
 
+class _ItemMetadataNoise(logging.Filter):
+    """orbax's composite restore asks each item's directory (<step>/state, <step>/meta) for the step metadata
+    file that only <step>/ itself holds, and warns "Metadata file does not exist" for every item of every
+    restore, a tool's included. The restore does not need it (the fingerprint checks what was read), so
+    that one warning about an item directory is dropped; the same message about a step directory stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Metadata file does not exist"):
+            return True
+        path = Path(str(record.args[0] if record.args else ""))
+        return path.parent.name not in ("state", "meta")
+
+
+ITEM_METADATA_FILTER = _ItemMetadataNoise()
+logging.getLogger("absl").addFilter(ITEM_METADATA_FILTER)
+
+
 @jax.jit
 def fingerprint(state):
     return [jnp.sum(jnp.abs(x.astype(jnp.float32))) + jnp.sum(x.astype(jnp.float32))

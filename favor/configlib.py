@@ -21,7 +21,7 @@ import jax
 import ml_collections
 
 from favor import attention as attention_lib
-from favor import data, models, sharding, tasks, uptrain
+from favor import data, models, sharding, strings, tasks, uptrain
 from favor.train import optim as optim_lib
 from favor.attention import qknorm, schedule
 from favor.sharding import DEFAULT_RULES, MESH_AXES
@@ -66,12 +66,7 @@ def values(name: str, text: str, allowed=None) -> tuple:
     """A sweep arg's list: "softmax/favor+/favor++" -> ("softmax", "favor+", "favor++"). The separator is
     "/" because "," separates the args themselves and "+" is part of kind names (favor+, favor++). A value
     outside `allowed` (when given) is a ValueError listing the valid ones."""
-    out = tuple(dict.fromkeys(v.strip() for v in text.split("/") if v.strip()))
-    if allowed is not None:
-        bad = [v for v in out if v not in allowed]
-        if bad:
-            raise ValueError(f"{name}: unknown {', '.join(map(repr, bad))}; valid: {'/'.join(map(str, allowed))}")
-    return out
+    return strings.choices(name, text, allowed)
 
 
 def choice(name: str, value: str, allowed) -> str:
@@ -145,7 +140,7 @@ def attention(kind: str, num_features: int, redraw: str = "", **options) -> dict
 def load(spec: str):
     """The config of "path/to/file.py[:arg]", as `--config` loads it (not locked); for tools that need a
     config outside train.py's flags (the sweep launcher, train.py's error messages)."""
-    path, _, arg = str(spec).partition(":")
+    path, arg = strings.config_spec(spec)
     module = load_module(path)
     return module.get_config(arg) if arg else module.get_config()
 

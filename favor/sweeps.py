@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from favor import attention, configlib
+from favor import attention, configlib, strings
 
 # Keys that only pick a random stream: runs that differ in these alone are repeats of one setting
 # (favor.tools.report averages them).
@@ -50,22 +50,8 @@ def kind_settings(name: str, text: str) -> list[dict]:
     """A sweep arg's list of kind specs (`kind[:variant][@window]`, favor.attention.parse_spec) as override
     dicts: "favor+/favor#:saderf" -> [{"model.attention.kind": "favor+"}, {"model.attention.kind": "favor#",
     "model.attention.variant": "saderf"}]. An unknown kind or a bad variant is a ValueError naming it."""
-    specs = configlib.values(name, text)
-    valid = attention.names()
-    if not specs:
-        raise ValueError(f"{name}: an empty list; valid: {'/'.join(valid)} (each as kind[:variant][@window])")
-    bad = [s for s in specs if s.partition("@")[0].partition(":")[0] not in valid]
-    if bad:
-        raise ValueError(f"{name}: unknown {', '.join(map(repr, bad))}; valid: {'/'.join(valid)} "
-                         "(each as kind[:variant][@window])")
-    out = []
-    for spec in specs:
-        try:
-            kind, options = attention.parse_spec(spec)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-        out.append({"model.attention.kind": kind, **{f"model.attention.{k}": v for k, v in options.items()}})
-    return out
+    return [{"model.attention.kind": kind, **{f"model.attention.{k}": v for k, v in options.items()}}
+            for _, kind, options in attention.parse_specs(name, text)]
 
 
 def is_seed_key(key: str) -> bool:
@@ -113,7 +99,7 @@ def runs(items: Sequence[Mapping]) -> list[Run]:
 def load(config: str) -> list[Run]:
     """The runs of `config` ("path.py" or "path.py:arg"): its module's sweep(), called with the arg when
     it takes one."""
-    path, _, arg = config.partition(":")
+    path, arg = strings.config_spec(config)
     module = configlib.load_module(path)
     if not hasattr(module, "sweep"):
         raise ValueError(f"{path} has no sweep() function")

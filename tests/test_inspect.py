@@ -58,7 +58,7 @@ def test_command_prints_plots_and_writes_json(run, tmp_path, capsys):
     (["--kinds", "favor++,nope"], "unknown attention kind 'nope'"),
     (["--kinds", "favor+:saderf"], "'favor+' has no variant"),
     (["--kinds", "favor+@x"], "the part after '@' is a window, a whole number of tokens"),
-    (["--num_features", "0"], "--num_features must be positive"),
+    (["--num_features", "0"], "--num_features '0': expected positive integers"),
 ])
 def test_bad_arguments_are_one_clear_error(run, argv, message, capsys):
     assert favor_inspect.main(["--workdir", str(run), *argv]) == 2

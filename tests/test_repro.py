@@ -299,7 +299,7 @@ def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, caps
         trained.run_sweep(one.replace("seeds=2", "seeds=3"), tmp_path / "fails", parallel=1)
     with pytest.raises(trained.SweepError, match=r"holds the sweep of another config .*kind=nope\); this one is"):
         trained.run_sweep(one, tmp_path / "fails", parallel=1, extra=["--config.total_steps=3"])
-    for bad, said in ((["--sides", "vit/gpt"], "--sides 'vit/gpt'"), (["--seeds", "1"], "--seeds 1"),
+    for bad, said in ((["--sides", "vit/gpt"], "--sides: unknown 'gpt'"), (["--seeds", "1"], "--seeds 1"),
                       (["--vit-steps", "5"], "--vit-steps 5 with --quick"), (["--kinds", "favor#:nope"], "nope"),
                       (["--kinds", "favor#/favor#:sderf"], "two specs name one setting")):
         assert main(["uptrain-kernels", "--quick", *bad, "--out", str(tmp_path / "u")]) == 2

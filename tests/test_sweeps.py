@@ -71,7 +71,7 @@ def test_sweep_lists_keep_kind_names_with_plus_signs():
     runs = sweeps.load(str(ROOT / "configs/default.py") + ":seeds=1,kinds=favor+/favor++/favor,qk_norms=none/l2")
     assert [(r.overrides["model.attention.kind"], r.overrides["model.attention.qk_norm"]) for r in runs] == \
         [("favor+", ""), ("favor+", "l2"), ("favor++", ""), ("favor++", "l2"), ("favor", ""), ("favor", "l2")]
-    with pytest.raises(ValueError, match=r"kinds: unknown 'favor\+\+\+'; valid: softmax/"):
+    with pytest.raises(ValueError, match=r"kinds: unknown attention kind 'favor\+\+\+' in 'favor\+\+\+'; valid: softmax, "):
         sweeps.load(str(ROOT / "configs/default.py") + ":kinds=favor+++")
     runs = sweeps.load(str(ROOT / "configs/listops.py") + ":seeds=2,kinds=softmax/favor+,band=16")
     assert [r.name for r in runs] == [
@@ -109,7 +109,7 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
     assert len(glue) == 2 * 7 and [r.overrides["seed"] for r in glue] == [0] * 7 + [1] * 7
     assert configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=300").eval_every == 60
     for bad, match in (("kinds=favor#:nope", r"kinds: .*variant.*'nope'"), ("kinds=favor+:x", r"kinds: 'favor\+' has no variant"),
-                       ("kinds=", "kinds: an empty list"), ("kinds=fav", r"kinds: unknown 'fav'")):
+                       ("kinds=", "kinds: an empty list"), ("kinds=fav", r"kinds: unknown attention kind 'fav'")):
         with pytest.raises(ValueError, match=match):
             sweeps.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder," + bad)
     with pytest.raises(ValueError, match="steps=-5: expected a positive"):

@@ -383,3 +383,32 @@ def test_progress_rates_the_window_between_reports_and_skips_the_first_call(monk
     assert progress(7) is True                                                        # t = 22: the last step
     assert [s for s, _ in written] == [3, 6, 7] and set(written[0][1]) == {"steps_per_sec", "uptime"}
     assert written[1][1]["uptime"] == pytest.approx(19.0)
+
+
+def test_a_restore_logs_no_item_metadata_warning(tmp_path, caplog):
+    """orbax warns "Metadata file does not exist" whenever an item directory's metadata is read (as opening
+    a run for init_from, generate or inspect does); favor drops that one warning, for item directories only,
+    which the same restore shows without the filter."""
+    import logging
+    from favor.uptrain import init_from
+    ck = checkpoint.Checkpointer(tmp_path / "c", asynchronous=False)
+    state = {"params": {"w": jnp.arange(3.0)}}
+    ck.save(1, state, {"config": "{}"})
+    ck.wait()
+    abstract = jax.eval_shape(lambda: state)
+
+    def warnings_of_a_restore():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            got = ck.restore_latest(abstract)
+            opened = init_from._open(tmp_path / "c", 1)
+        np.testing.assert_array_equal(got[0]["params"]["w"], np.arange(3.0))
+        assert opened.param_shapes == {"w": ((3,), np.dtype("float32"))}
+        return [r.getMessage() for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
+
+    assert warnings_of_a_restore() == []
+    logging.getLogger("absl").removeFilter(checkpoint.ITEM_METADATA_FILTER)
+    try:
+        assert warnings_of_a_restore()          # orbax's own behaviour: the filter is what silences it
+    finally:
+        logging.getLogger("absl").addFilter(checkpoint.ITEM_METADATA_FILTER)

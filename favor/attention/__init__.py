@@ -10,7 +10,7 @@
 from favor.attention.dropin import attention_fn
 from favor.attention.kinds import Attention, RandomFeatureAttention, RandomFeatureContext
 from favor.attention.registry import (SPEC_OPTIONS, block_options, block_redraw, get, ignored_block_options,
-                                      names, parse_spec)
+                                      names, parse_spec, parse_specs)
 
 __all__ = ["SPEC_OPTIONS", "Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn",
-           "block_options", "block_redraw", "get", "ignored_block_options", "names", "parse_spec"]
+           "block_options", "block_redraw", "get", "ignored_block_options", "names", "parse_spec", "parse_specs"]

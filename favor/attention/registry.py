@@ -3,6 +3,7 @@ command line (`kind[:variant][@window]`) and a config's attention block."""
 
 from __future__ import annotations
 
+from favor import strings
 from favor.attention import qknorm
 from favor.attention.kinds import KINDS
 from favor.registry import Registry
@@ -46,6 +47,22 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         options["window"] = int(window)
     get(kind, **options)            # a bad variant fails here, with the values allowed
     return kind, options
+
+
+def parse_specs(name: str, text) -> list[tuple[str, str, dict]]:
+    """A list of kind specs ("/" or "," between them, favor.strings.items) -> [(spec, kind, options)], each
+    read by `parse_spec`; an empty list or a bad spec is a ValueError naming `name`."""
+    specs = strings.items(text)
+    if not specs:
+        raise ValueError(f"{name}: an empty list; valid: {'/'.join(REGISTRY.entries)} (each as "
+                         f"kind[:variant][@window])")
+    out = []
+    for spec in specs:
+        try:
+            out.append((spec, *parse_spec(spec)))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    return out
 
 
 def block_options(block) -> dict:

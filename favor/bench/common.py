@@ -10,7 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from favor import attention
+from favor import attention, strings
 
 B, H, D, M = 1, 4, 64, 256
 
@@ -123,32 +123,25 @@ def setup(spec, length, causal):
 
 
 def ints(parser, flag, text):
-    """A comma-separated list of positive integers, or the parser's error naming the flag and the value."""
+    """A list of positive integers (favor.strings: "," or "/" between them), or the parser's error naming the flag and the value."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        parser.error(f"{flag} {text!r}: expected positive integers separated by commas")
-    return values
+        return strings.positive_ints(flag, text)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def specs(parser, flag, text):
-    """Comma-separated kind specs (favor.attention.parse_spec), each checked, or the parser's error naming
+    """A list of kind specs (favor.attention.parse_specs), each checked, or the parser's error naming
     the flag and what is wrong."""
-    kinds = [k.strip() for k in text.split(",") if k.strip()]
-    for k in kinds:
-        try:
-            attention.parse_spec(k)
-        except ValueError as e:
-            parser.error(f"{flag}: {e}")
-    return kinds
+    try:
+        return [spec for spec, _, _ in attention.parse_specs(flag, text)]
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def choices(parser, flag, text, allowed):
-    """A comma-separated list of values from `allowed`, or the parser's error naming the flag and them."""
-    values = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in values if x not in allowed]
-    if bad or not values:
-        parser.error(f"{flag} {text!r}: expected some of {', '.join(allowed)} separated by commas")
-    return values
+    """A list of values from `allowed` (favor.strings.choices), or the parser's error naming the flag and them."""
+    try:
+        return list(strings.choices(flag, text, allowed, nonempty=True))
+    except ValueError as e:
+        parser.error(str(e))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 
-from favor import attention
+from favor import attention, strings
 from favor.attention import schedule
 from favor.bench import sections
 from favor.bench.common import specs
@@ -197,7 +197,7 @@ def main(args, flags, argv, parser):
     kinds = specs(parser, "--kinds", args.kinds)
     if args.transfer_steps > args.steps:
         raise SystemExit(f"--transfer_steps {args.transfer_steps} must be at most --steps {args.steps}")
-    path, _, config_arg = args.config.partition(":")
+    path, config_arg = strings.config_spec(args.config)
     name = Path(path).stem + (f"-{config_arg}" if config_arg else "")
     section = args.section or f"uptrain-{name}".replace("=", "-").replace(",", "-")
     workdir = Path(args.workdir or Path(args.out) / "bench" / "runs" / section)

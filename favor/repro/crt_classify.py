@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from favor import kernels
+from favor import kernels, strings
 from favor.repro import classify
 from favor.repro.report import Report
 
@@ -89,11 +89,7 @@ def methods_for(names, budget, shift_eps=PAPER_EPS):
 def mechanism_list(arg, quick):
     if arg is None:
         return ("trig", "positive", "oprf", "poisson+") if quick else PAPER_MECHS + EXTRA_MECHS
-    names = tuple(dict.fromkeys(n.strip() for n in arg.split(",") if n.strip()))
-    bad = [n for n in names if n not in kernels.names()]
-    if bad or not names:
-        raise ValueError(f"--mechanisms: unknown {', '.join(map(repr, bad)) or 'empty list'}; valid: "
-                         f"{', '.join(kernels.names())}")
+    names = strings.choices("--mechanisms", arg, kernels.names(), nonempty=True)
     return names
 
 

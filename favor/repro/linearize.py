@@ -272,9 +272,8 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
             rate(f"FAVOR# | {recipe}", f"{other} | {recipe}", "day0",
                  " — favor: FAVOR# inherits the most on day 0, perplexity before any step")
     full = RECIPE_NAMES["full"]
-    notes = [f"The source: `configs/linearize.py:{p['source'].split(':', 1)[1]}` ({source_run.summary.get('step')} "
-             f"steps, validation perplexity {source:.1f}); the sweep `configs/linearize.py:"
-             f"{p['sweep'].split(':', 1)[1]}` from `--config.model.init_from=run:<source>`" + trained.timing(runs) + "."]
+    notes = [f"The source: `{trained.checkout_spec(p['source'])}` ({source_run.summary.get('step')} "
+             f"steps, validation perplexity {source:.1f}); the sweep `{trained.checkout_spec(p['sweep'])}` from `--config.model.init_from=run:<source>`" + trained.timing(runs) + "."]
     pairs = [(k, k.replace(f"| {lol}", f"| {full}")) for k in stats if k.endswith(f"| {lol}")]
     pairs = [(a, b) for a, b in pairs if b in stats]
     if pairs:
@@ -298,10 +297,10 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
                      f"run's training batches mix in at {source_run.config.get('data.mix_rate')} of each batch; the "
                      f"softmax source recalls {src_recall.mean:.1f} %.")
     checks = [trained.complete(settings, p["asked"], runs, p["seeds"], METRIC)]
-    figures = {"source": {"config": p["source"].split("/")[-1], "perplexity": source,
+    figures = {"source": {"config": trained.checkout_spec(p["source"]), "perplexity": source,
                           "steps": source_run.summary.get("step"), "recall": recall[source_run.name]},
                "probe": {**block, "examples": PROBE_EXAMPLES} if probed else None,
-               "sweep": p["sweep"].split("/")[-1], "seeds": p["seeds"], "attention_mse": mse,
+               "sweep": trained.checkout_spec(p["sweep"]), "seeds": p["seeds"], "attention_mse": mse,
                "settings": {k: {"day0": list(s["day0"].values), "final": list(s["final"].values),
                                 "closed": list(s["closed"].values),
                                 "recall": list(s["recall"].values) if probed else None,

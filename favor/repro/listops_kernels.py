@@ -126,7 +126,7 @@ def _report(settings, runs, config, window, seeds, band, asked):
     checks = [trained.complete(settings, asked, runs, seeds, "accuracy")]
     within = [k for k in settings if k not in ("softmax", BAG)
               and ref is not None and trained.rate(settings[k]["stat"], ref["stat"])[0] == "within noise"]
-    spec = f"configs/listops.py:{config.rsplit(':', 1)[1]}"         # as run from the checkout's root
+    spec = trained.checkout_spec(config)
     notes = [f"Window `{window}`; the sweep: `{spec}` "
              "(launch/sweep_local.py, resumable)" + trained.timing(runs) + ". "
              f"Kinds within 2 SE of softmax: {', '.join(within) or 'none'}."]

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from favor import attention, configlib
+from favor import attention, configlib, strings
 from favor.repro import trained
 from favor.repro.report import Report
 
@@ -95,9 +95,8 @@ def run(args):
     kinds = args.kinds or ("favor+" if quick else "favor+/favor#/elu")
     others = args.others if args.others is not None else ("" if quick else "favor/favor++/hrf/simrf/relu")
     bands = args.bands if args.bands is not None else ("" if quick else "8")
-    for flag, text in (("--widths", widths), ("--bands", bands)):
-        if not all(part.isdigit() and int(part) > 0 for part in text.split("/") if part):
-            raise ValueError(f"{flag} {text!r}: expected positive integers separated by '/'")
+    width_list = strings.positive_ints("--widths", widths)
+    band_list = strings.positive_ints("--bands", bands, nonempty=False)
     if args.parallel < 1 or any(v is not None and v < 1 for v in (args.steps, args.pairs, args.batch)):
         raise ValueError("--parallel, --steps, --pairs and --batch must be positive")
     spec = [f"seeds={seeds}", f"widths={widths}", f"kinds={kinds}"] + ([f"others={others}"] if others else [])
@@ -115,8 +114,7 @@ def run(args):
                 configlib.apply_flag(c, f"{key}={value}")
         sizes[label] = state_numbers(c)
     asked = asked_settings(configlib.values("kinds", kinds, tuple(LABELS)),
-                           sorted({int(w) for w in widths.split("/") if w}),
-                           [int(b) for b in bands.split("/") if b], configlib.values("others", others, tuple(LABELS)))
+                           sorted(set(width_list)), band_list, configlib.values("others", others, tuple(LABELS)))
     return _report(settings, sizes, runs, config, seeds, asked, pairs=int(configlib.load(config).data.num_pairs))
 
 
@@ -183,7 +181,7 @@ def _report(settings, sizes, runs, config, seeds, asked, pairs=None):
                 comparisons.append(trained.claim(settings, label, base, ": the window hybrid recovers part of "
                                                  "the recall", alone=True))
     checks = [trained.complete(settings, asked, runs, seeds, "accuracy")]
-    spec = f"configs/mqar.py:{config.rsplit(':', 1)[1]}"
+    spec = trained.checkout_spec(config)
     notes = [f"The sweep: `{spec}` (launch/sweep_local.py, resumable)" + trained.timing(runs) + "."]
     if pairs:
         # a model that answers with some value of the context, not the asked key's, scores 1 / pairs

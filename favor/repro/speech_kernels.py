@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 
+from favor import strings
 from favor.data import local
 from favor.repro import trained
 from favor.repro.report import Report
@@ -105,9 +106,11 @@ def run(args):
         raise ValueError("--parallel and --steps must be positive")
     if quick and args.steps is not None:
         raise ValueError(f"--steps {args.steps} with --quick: the quick run trains the tests' model 4 steps")
-    parts = [w for w in narrow.split("/") if w]
-    widths = sorted({int(w) for w in parts if w.isdigit()})
-    if len(widths) != len(set(parts)) or not widths or min(widths) < 1 or wide < 1:
+    try:
+        widths = sorted(set(strings.positive_ints("--narrow", narrow)))
+    except ValueError:
+        widths = []
+    if not widths or wide < 1:
         raise ValueError(f"--narrow {narrow!r} --wide {wide}: expected positive widths ('/'-separated narrow ones)")
     if args.conv_kernel < 1:
         raise ValueError(f"--conv-kernel {args.conv_kernel}: expected a positive width in frames")
@@ -179,7 +182,7 @@ def _report(settings, runs, config, seeds, wide, asked, extra=(), top=16):
               == "within noise"]
     below = [k for k in rf if floor is not None
              and trained.rate(floor["stat"], settings[k]["stat"], **lower)[0] == "agrees"]
-    spec = shlex.join([f"configs/conformer_librispeech.py:{config.rsplit(':', 1)[1]}", *extra])
+    spec = shlex.join([trained.checkout_spec(config), *extra])
     notes = [f"The sweep: `{spec}` (launch/sweep_local.py, resumable)" + trained.timing(runs) + ". "
              f"Random-feature settings within 2 SE of softmax: {', '.join(within) or 'none'}. "
              f"Worse than no attention at 2 SE: {', '.join(below) or 'none'}."]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from favor import strings
 from favor.repro.report import verdict
 from favor.tools import report as sweep_report
 
@@ -92,6 +93,13 @@ def config_path(name: str) -> str:
         raise FileNotFoundError(f"{path}: the reproductions that train run the checkout's configs/ and "
                                 "launch/ (run from a clone of favor)")
     return str(path)
+
+
+def checkout_spec(config: str) -> str:
+    """A config spec as a user runs it from the checkout's root: "<root>/configs/mqar.py:seeds=3" ->
+    "configs/mqar.py:seeds=3" (the arg may hold ":" and "/": kinds=favor#:saderf/favor+)."""
+    path, arg = strings.config_spec(config)
+    return f"configs/{Path(path).name}" + (f":{arg}" if arg else "")
 
 
 def run_sweep(config: str, workdir: Path, parallel: int, extra=()) -> list:

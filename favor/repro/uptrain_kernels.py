@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from favor import attention, configlib, sweeps
+from favor import attention, configlib, strings, sweeps
 from favor.data import local
 from favor.repro import trained
 from favor.repro.report import Report
@@ -106,10 +106,7 @@ def plan(args) -> dict:
     seeds = args.seeds if args.seeds is not None else (2 if quick else 3)
     if seeds < 2:
         raise ValueError(f"--seeds {seeds}: a comparison at 2 standard errors needs at least 2 seeds a setting")
-    sides = [s for s in (args.sides or ("vit" if quick else "vit/bert")).split("/") if s]
-    bad = [s for s in sides if s not in SIDES]
-    if bad or not sides:
-        raise ValueError(f"--sides {args.sides!r}: expected some of {'/'.join(SIDES)}")
+    sides = strings.choices("--sides", args.sides or ("vit" if quick else "vit/bert"), SIDES, nonempty=True)
     numbers = {"--vit-steps": args.vit_steps, "--bert-steps": args.bert_steps,
                "--bert-source-steps": args.bert_source_steps}
     if quick and any(v is not None for v in numbers.values()):
@@ -118,7 +115,7 @@ def plan(args) -> dict:
     if args.parallel < 1 or any(v is not None and v < 1 for v in numbers.values()):
         raise ValueError("--parallel, --vit-steps, --bert-steps and --bert-source-steps must be positive")
     kinds = args.kinds or ("favor+" if quick else KINDS)
-    specs = "/".join(["softmax"] + [k for k in kinds.split("/") if k and k != "softmax"])
+    specs = "/".join(["softmax"] + [k for k in strings.items(kinds) if k != "softmax"])
     # a bad spec fails here, before a source trains; the asked names are those the runs will carry
     labels = [_overrides_label(item) for item in sweeps.kind_settings("--kinds", specs)]
     if len(set(labels)) != len(labels):
@@ -249,18 +246,18 @@ def _report(results: dict) -> Report:
         status = source.sweep_status or {}
         took = (f", {(status['ended'] - status['started']) / 60:.0f} min"
                 if status.get("started") is not None and status.get("ended") is not None else "")
-        notes.append(f"{name}: source `{_short(r['source'][0])}` ({source.summary.get('step')} steps, "
+        notes.append(f"{name}: source `{trained.checkout_spec(r['source'][0])}` ({source.summary.get('step')} steps, "
                      f"{'masked-token ' if side == 'bert' else ''}{metric} {100 * source_value:.1f} %{took}); "
-                     f"uptraining sweep `{_short(r['uptrain'][0])}`{' with ' + spec if spec else ''}, "
+                     f"uptraining sweep `{trained.checkout_spec(r['uptrain'][0])}`{' with ' + spec if spec else ''}, "
                      f"from `--config.model.init_from=run:<source>`" + trained.timing(r["runs"]) + ".")
         if "FAVOR+" in stats and "FAVOR++" in stats and side == "vit":
             notes.append(f"{name}, CRT Fig. 4's stability: the sd over seeds after {steps} steps is "
                          f"{100 * stats['FAVOR++']['final'].sd:.1f} points for FAVOR++ and "
                          f"{100 * stats['FAVOR+']['final'].sd:.1f} for FAVOR+ ({seeds} seeds do not rate a ratio "
                          "of variances: shown, not rated).")
-        figures[side] = {"source": {"config": _short(r["source"][0]), "steps": source.summary.get("step"),
+        figures[side] = {"source": {"config": trained.checkout_spec(r["source"][0]), "steps": source.summary.get("step"),
                                     metric: source_value},
-                         "uptrain": {"config": _short(r["uptrain"][0]), "flags": list(r["uptrain"][1]),
+                         "uptrain": {"config": trained.checkout_spec(r["uptrain"][0]), "flags": list(r["uptrain"][1]),
                                      "steps": steps, "seeds": seeds},
                          "settings": {k: {"day0": list(s["day0"].values), "final": list(s["final"].values),
                                           "runs": [run.name for run in settings[k]["runs"]],
@@ -276,12 +273,6 @@ def _report(results: dict) -> Report:
                                               "Δ vs softmax after K (± SE)", "steps/s", "seeds"],
                   rows=rows, figures=figures, plot=plot, checks=checks, comparisons=comparisons, notes=notes,
                   figsize=(15, 5.2 * len(results)))
-
-
-def _short(config: str) -> str:
-    """configs/<file>:<arg>, as run from the checkout's root."""
-    path, _, arg = config.partition(":")
-    return f"configs/{path.rsplit('/', 1)[-1]}" + (f":{arg}" if arg else "")
 
 
 def _plot(fig, results, all_stats):

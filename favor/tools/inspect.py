@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from favor import attention as attention_lib
-from favor import job, uptrain
+from favor import job, strings, uptrain
 from favor.attention import qknorm
 from favor.models.layers import SelfAttention
 
@@ -285,15 +285,8 @@ def main(argv=None):
     p.add_argument("--json", default="", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     try:
-        kinds = [k for k in args.kinds.split(",") if k]
-        for k in kinds:
-            try:
-                attention_lib.parse_spec(k)
-            except ValueError as e:
-                raise ValueError(f"--kinds: {e}") from None
-        ms = [int(m) for m in args.num_features.split(",") if m] or [None]
-        if any(m < 1 for m in ms if m is not None):
-            raise ValueError(f"--num_features must be positive integers; got {args.num_features!r}")
+        kinds = [spec for spec, _, _ in attention_lib.parse_specs("--kinds", args.kinds)] if args.kinds else []
+        ms = strings.positive_ints("--num_features", args.num_features, nonempty=False) or [None]
         if args.batches < 1:
             raise ValueError(f"--batches must be ≥ 1; got {args.batches}")
         if not (Path(args.workdir) / "checkpoints").is_dir():
