@@ -239,3 +239,33 @@ def test_bench_lora_counts_optimizer_memory_from_shapes(tmp_path):
     assert 8 * trained <= row["lora"]["2"]["optimizer_bytes"] <= 8 * trained + 64
     assert 8 * row["params"] <= row["full"] <= 8 * row["params"] + 64
     assert "| tiny |" in (tmp_path / "BENCHMARKS.md").read_text()
+
+
+def test_the_headline_is_generated_from_the_sections_raw_figures(tmp_path):
+    """Publishing a section rewrites the headline at the top from bench/*.json: each section with targets
+    in the file's order, its machine, how many targets it met (median ratio ≤ target) and the ones it missed;
+    a section without targets is not listed; the headline command alone gives the same text."""
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n\nintro\n\n## a hand-written part\n\nkept\n")
+    meta = {"jax": "0.10.2", "backend": "cpu", "cpu_count": 2}
+    rows = [{"numerator": "favor+/causal", "denominator": "favor+/bidir", "target": 1.3, "median_ratio": 1.77,
+             "ratio_of_minima": 1.5, "rounds_within_target": 0.1},
+            {"numerator": "favor#/bidir", "denominator": "favor+/bidir", "target": 1.4, "median_ratio": 1.4,
+             "ratio_of_minima": 1.3, "rounds_within_target": 0.5}]
+    sections.publish(tmp_path, "r1", "## r1\n\nbody", {"meta": meta, "rows": rows})
+    sections.publish(tmp_path, "plain", "## plain\n\nno targets", {"meta": meta, "rows": [{"kind": "x"}]})
+    sections.publish(tmp_path, "speech", "## speech", {"meta": {**meta, "target": 0.5, "metric": "wer",
+                                                               "seconds_to_target": 181.6}, "evals": [{"wer": 0.4}]})
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert md.index("intro") < md.index("<!-- headline:begin -->") < md.index("## a hand-written part")
+    assert md.count("headline:begin") == 1
+    head = md[md.index("<!-- headline:begin -->"):md.index("<!-- headline:end -->")]
+    assert "| [r1](#r1) | cpu (2 cores), jax 0.10.2 | 1 of 2 | favor+/causal : favor+/bidir 1.77 (≤ 1.3) |" in head
+    assert "| [speech](#speech) | cpu (2 cores), jax 0.10.2 | wer < 0.5 first 182 s after the start | – |" in head
+    assert "plain" not in head and head.index("[r1]") < head.index("[speech]")
+    # a rerun of a section with new figures changes its row
+    rows[0]["median_ratio"] = 1.2
+    sections.publish(tmp_path, "r1", "## r1\n\nbody", {"meta": meta, "rows": rows})
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| [r1](#r1) | cpu (2 cores), jax 0.10.2 | 2 of 2 | – |" in md and md.count("headline:begin") == 1
+    assert cli.main(["headline", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "BENCHMARKS.md").read_text() == md

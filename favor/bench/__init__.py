@@ -10,6 +10,7 @@
   generate   a decoder's prefill and token-by-token decoding, each kind against softmax's cache
   accel      every kind (XLA and the fused kernel) against softmax/FlashAttention over lengths to 128K
   lora       optimizer memory of LoRA uptraining against full fine-tuning
+  headline   BENCHMARKS.md's table of targets, regenerated from the sections' raw figures (measures nothing)
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are
 shared and noisy; ratios travel, seconds do not). Each subcommand writes its section of BENCHMARKS.md

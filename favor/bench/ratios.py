@@ -102,11 +102,10 @@ def ratios(targets, length, rounds, seed=0):
 
 def write_ratios(rows, times, length, rounds, out_dir, argv, section="attention-ratios"):
     meta = sections.machine(argv, length=length, rounds=rounds, B=B, H=H, D=D, M=M)
-    met = lambda r: "met" if r["median_ratio"] <= r["target"] else "not met"
     lines = ["| ratio | target | ratio of minima | median of per-round ratios | rounds within | verdict |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['numerator']} : {r['denominator']} | ≤ {r['target']:g} | {r['ratio_of_minima']:.2f} | "
-              f"{r['median_ratio']:.2f} | {r['rounds_within_target']:.0%} | {met(r)} |" for r in rows]
+              f"{r['median_ratio']:.2f} | {r['rounds_within_target']:.0%} | {'met' if sections.met(r) else 'not met'} |" for r in rows]
     times_lines = ["| program | min ms | median ms |", "|---|---|---|"]
     times_lines += [f"| {e} | {t['min_ms']:.2f} | {t['median_ms']:.2f} |" for e, t in sorted(times.items())]
     body = (f"{sections.heading(section, meta)}\n\n"

@@ -1,12 +1,15 @@
 """The one writer of benchmark results: a section of BENCHMARKS.md (replaced between its markers, so a
-rerun updates it in place) and its raw figures as bench/<name>.json; and what every section says about
-the machine and the command that measured it."""
+rerun updates it in place) and its raw figures as bench/<name>.json; what every section says about the
+machine and the command that measured it; and the headline at the top of BENCHMARKS.md, every target the
+sections measured, generated from their raw figures whenever one is published (so it never disagrees
+with them: `python -m favor.bench headline` rewrites it alone)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 from pathlib import Path
 
 import jax
@@ -20,11 +23,72 @@ def replace_section(out_dir, section, body):
     begin, end = markers(section)
     body = f"{begin}\n{body}\n{end}"
     md = Path(out_dir) / "BENCHMARKS.md"
-    text = md.read_text() if md.exists() else "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
+    text = md.read_text() if md.exists() else INTRO
     if begin in text and end in text:
         text = text[:text.index(begin)] + body + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + body + "\n"
+    md.write_text(text)
+
+
+HEADLINE = "headline"
+INTRO = "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
+
+
+def met(row) -> bool:
+    """A ratio target's verdict: the median of the per-round ratios within the target."""
+    return row["median_ratio"] <= row["target"]
+
+
+def _targets(name, payload):
+    """(machine, met, [unmet descriptions]) of a section's raw figures, or None when it has no targets."""
+    meta = payload.get("meta") or {}
+    rows = [r for r in payload.get("rows") or [] if isinstance(r, dict) and {"target", "median_ratio"} <= set(r)]
+    if rows:
+        unmet = [f"{r['numerator']} : {r['denominator']} {r['median_ratio']:.2f} (≤ {r['target']:g})"
+                 for r in rows if not met(r)]
+        return where(meta), f"{len(rows) - len(unmet)} of {len(rows)}", unmet
+    if payload.get("evals") and meta.get("target") is not None:       # a time-to-target training run
+        first = meta.get("seconds_to_target")
+        text = (f"{meta['metric']} < {meta['target']:g} first {first:.0f} s after the start" if first is not None
+                else f"{meta['metric']} never below {meta['target']:g}")
+        return where(meta), text, []
+    return None
+
+
+def headline(out_dir) -> str:
+    """The headline table: one row per section of BENCHMARKS.md whose raw figures hold targets, in the
+    file's order: the machine, how many targets the run met, and each one it did not."""
+    text = (Path(out_dir) / "BENCHMARKS.md").read_text()
+    names = re.findall(r"<!-- ([\w.-]+):begin -->", text)
+    lines = ["## Targets (generated from the sections' raw figures: bench/<section>.json)", "",
+             "Each row is one run of the section it names; ratios are the median of per-round ratios within "
+             "that run, so rows from different runs or machines are not comparable with each other.", "",
+             "| section | machine | targets met | not met: ratio (target) |", "|---|---|---|---|"]
+    for name in names:
+        path = Path(out_dir) / "bench" / f"{name}.json"
+        if name == HEADLINE or not path.exists():
+            continue
+        got = _targets(name, json.loads(path.read_text()))
+        if got:
+            lines.append(f"| [{name}](#{name}) | {got[0]} | {got[1]} | {'; '.join(got[2]) or '–'} |")
+    return "\n".join(lines)
+
+
+def refresh_headline(out_dir):
+    """Rewrites the headline between its markers, right after the file's title and intro."""
+    md = Path(out_dir) / "BENCHMARKS.md"
+    if not md.exists():
+        return
+    begin, end = markers(HEADLINE)
+    body = f"{begin}\n{headline(out_dir)}\n{end}"
+    text = md.read_text()
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + body + text[text.index(end) + len(end):]
+    else:
+        found = [i for i in (text.find("\n## "), text.find("\n<!-- ")) if i >= 0]
+        first = min(found) + 1 if found else len(text)
+        text = text[:first] + body + "\n\n" + text[first:]
     md.write_text(text)
 
 
@@ -40,6 +104,7 @@ def publish(out_dir, section, body, payload, json_name=None):
     """The raw figures (bench/<json_name or section>.json), then the Markdown section."""
     write_json(out_dir, json_name or section, payload)
     replace_section(out_dir, section, body)
+    refresh_headline(out_dir)
 
 
 def machine(argv, **extra):
