@@ -5,8 +5,14 @@
         -- --config.model.init_from=run:runs/lin/source
 
 The model: configs/decoder_lm.py:data=local (the standard library's docstrings, 128-token rows) at 2
-layers × 128 wide, 4 heads of 32, a 2,000-piece vocabulary, batch 16. stage=source trains it with
-softmax attention `source_steps` steps. stage=linearize (the default) continues a source given by
+layers × 128 wide, 4 heads of 32, a 2,000-piece vocabulary, batch 16. Every training batch, the
+source's and each linearized run's, mixes in MQAR (favor.data.mqar: `pairs` key-value pairs at the row
+length over the vocabulary's first 256 ids, zero filler unless `noise`) for `recall_rate` of its rows
+(data.mix_in, favor.data.mixture), so that the source has a skill that needs its whole context, whose
+loss under linear attention is measured (the docstrings alone are local: a 1,500-step source predicted
+tokens seen earlier in its row beyond an 8-key band no better than the band alone, 33.3 % against
+32.6 %, and recalled 0 % of MQAR zero shot); evaluation reads the docstrings alone. stage=source trains
+it with softmax attention `source_steps` steps. stage=linearize (the default) continues a source given by
 `--config.model.init_from` as `kind` (a band of `window` exact softmax keys when > 0) by a `recipe`:
 
 - lolcats (LoLCATs, Zhang et al. 2024): attention transfer for `transfer_steps` steps training what the
@@ -22,7 +28,7 @@ kind=softmax with a window is the band alone (sliding-window softmax): no transf
 has nothing to learn), LoRA or full fine-tuning for the whole budget.
 
 Args: stage=source|linearize, kind, window, recipe=lolcats|full, source_steps, transfer_steps, steps,
-runlocal (the tests' tiny model); the sweep's seeds, kinds ('/'-separated), band (the window of the
+recall_rate (0: no MQAR), pairs, noise, runlocal (the tests' tiny model); the sweep's seeds, kinds ('/'-separated), band (the window of the
 banded settings, 0: none), recipes and alone (whether the band alone is a setting).
 """
 
@@ -41,7 +47,7 @@ RECALL_VOCAB = 256
 
 def _args(arg):
     return configlib.parse_arg(arg, stage="linearize", kind="favor+", window=0, recipe="lolcats",
-                               source_steps=6000, transfer_steps=50, steps=250, recall_rate=0.5, pairs=4, noise=False,
+                               source_steps=3000, transfer_steps=50, steps=250, recall_rate=0.5, pairs=4, noise=False,
                                runlocal=False,
                                seeds=2, kinds="/".join(KINDS), band=8, recipes="/".join(RECIPES), alone=True)
 
