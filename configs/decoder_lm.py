@@ -29,14 +29,14 @@ from pathlib import Path
 
 import ml_collections
 
-from favor import configlib, models
+from favor import configbase, presets
 
 
 def get_config(arg=None):
-    args = configlib.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", runlocal=False)
-    data = configlib.choice("data", args.data, ("tfds", "local"))
+    args = configbase.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", runlocal=False)
+    data = configbase.choice("data", args.data, ("tfds", "local"))
 
-    c = configlib.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5_000,
+    c = configbase.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5_000,
                              keep_checkpoints=3)
     c.data = {"name": "causal_text", "dataset": "wikipedia/20230601.en", "text_field": "text",
               "train_split": "train[:99%]", "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "",
@@ -48,12 +48,12 @@ def get_config(arg=None):
     c.model.vocab_size, c.model.max_positions = 32000, 1024
     c.model.dtype = "float32"
     c.model.init_from = ""
-    c.model.attention = configlib.attention(args.kind, num_features=256)
+    c.model.attention = configbase.attention(args.kind, num_features=256)
     if int(args.window) < 0:
         raise ValueError(f"window={args.window}: expected 0 (none) or a positive number of tokens")
     if int(args.window):
         c.model.attention.window = int(args.window)
-    c.optim = configlib.optim(lr=6e-4, schedule="cosine", warmup_steps=2_000, weight_decay=0.1, b2=0.95)
+    c.optim = configbase.optim(lr=6e-4, schedule="cosine", warmup_steps=2_000, weight_decay=0.1, b2=0.95)
     if data == "local":
         c.data.update(dataset="local", train_split="train", eval_split="validation", vocab_size=4000,
                       tokenizer_sample=10_000, max_length=128, max_eval_rows=256)
@@ -72,12 +72,13 @@ def get_config(arg=None):
         c.checkpoint_every, c.eval_every, c.log_every = 20, 40, 5
         c.optim.update(lr=3e-3, warmup_steps=4)
     # the preset's sizes as keys of their own, so a command line can set them (--config.model.hidden=128)
-    sizes = models.config("decoder", c.model.preset)
+    sizes = presets.sizes("decoder", c.model.preset)
     for key in ("hidden", "num_layers", "heads", "mlp_dim"):
         if key not in c.model:
             c.model[key] = sizes[key]
     if args.init:
-        c.model.update(models.hf.decoder_config(args.init))
+        from favor.models import hf          # reads a checkpoint's config.json (JAX only for such configs)
+        c.model.update(hf.decoder_config(args.init))
         c.model.init_from = f"hf:{args.init}"
         if (Path(args.init) / "tokenizer.json").exists():
             c.data.tokenizer = f"hf:{args.init}"

@@ -18,10 +18,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from favor import configbase
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-DEFAULT_RULES = {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "mlp": "tensor", "kernel": None,
-                 "classes": None}
+DEFAULT_RULES = configbase.DEFAULT_RULES
 
 
 def mesh_shape(spec: Mapping[str, int], num_devices: int) -> dict[str, int]:

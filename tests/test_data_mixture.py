@@ -61,11 +61,11 @@ def test_resume_continues_both_sources_exactly():
 def test_hosts_slices_make_the_global_batch(monkeypatch):
     mix = mixture.Mixture(Rows(40, 0), Rows(9, 1000), 0.25)
     whole = [_ids(b) for _, b in zip(range(5), mix.train_batches(8, 2, seed=4))]
-    from favor.data import source
+    import jax
     parts = []
     for host in range(2):
-        monkeypatch.setattr(source.jax, "process_count", lambda: 2)
-        monkeypatch.setattr(source.jax, "process_index", lambda host=host: host)
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        monkeypatch.setattr(jax, "process_index", lambda host=host: host)
         parts.append([_ids(b) for _, b in zip(range(5), mix.train_batches(8, 2, seed=4))])
     for step in range(5):
         np.testing.assert_array_equal(np.concatenate([parts[0][step], parts[1][step]]), whole[step])

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import sweeps
+from favor import attention, sweeps
 from favor.train import events
 from favor.tools import report
 
@@ -51,7 +51,7 @@ def test_run_names_are_distinct_and_safe():
 def test_default_config_sweeps_kinds_times_seeds():
     runs = sweeps.load(str(ROOT / "configs/default.py") + ":seeds=3")
     from configs import default
-    assert len(runs) == 3 * len(default.KINDS)
+    assert len(runs) == 3 * len(attention.names())       # every kind by default
     assert [r.overrides["seed"] for r in runs[:4]] == [0, 1, 2, 0]
     assert runs[0].name == "kind=softmax_seed=0"
     with pytest.raises(ValueError, match="unknown arg 'seedz'"):

@@ -39,8 +39,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from favor import configbase
+
 NORMS = ("", "l2", "layernorm")
-OPTIONS = {"qk_norm": "", "qk_radius": 1.0, "qk_radius_max": 2.0}
+OPTIONS = configbase.QK_NORM_OPTIONS
 EPS = 1e-6
 
 

@@ -28,7 +28,7 @@ PRESETS = ("mini", "small", "gpt2")
 
 def add_parser(sub):
     p = sub.add_parser("lora", help="optimizer memory of LoRA uptraining against full fine-tuning")
-    p.add_argument("--presets", default=",".join(PRESETS), help="decoder presets (favor.models.presets)")
+    p.add_argument("--presets", default=",".join(PRESETS), help="decoder presets (favor.presets)")
     p.add_argument("--ranks", default="8,16", help="LoRA ranks, comma-separated")
     p.add_argument("--kind", default="favor#", help="the attention kind of the uptrained model")
     p.add_argument("--out", default=".", help="where BENCHMARKS.md and bench/ are written")

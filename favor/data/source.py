@@ -27,7 +27,6 @@ import abc
 from pathlib import Path
 from typing import Iterator
 
-import jax
 import numpy as np
 
 from favor import extras
@@ -78,6 +77,7 @@ class IndexedSource(abc.ABC):
     @staticmethod
     def local_slice(length: int) -> slice:
         """This process's positions in a global batch of `length` rows."""
+        import jax        # here, not at the top: configs read data modules' constants without JAX
         p, i = jax.process_count(), jax.process_index()
         if length % p:
             raise ValueError(f"a global batch of {length} rows does not split over {p} processes")

@@ -17,10 +17,11 @@ import re
 import numpy as np
 from flax import nnx
 
+from favor import configbase
 from favor.models.layers import Dense, meta
 
 # the query, key, value and output projections of every attention block, in every model family
-DEFAULT_TARGETS = r"(^|\.)attention\.(query|key|value|out)$"
+DEFAULT_TARGETS = configbase.LORA_TARGETS
 # a parameter path that belongs to an adapter
 PARAM = re.compile(r"(^|\.)lora\.lora_[ab]$")
 

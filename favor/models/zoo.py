@@ -11,7 +11,7 @@ from flax import nnx
 
 from favor import attention as attention_lib
 from favor.attention import qknorm
-from favor.models import presets
+from favor import presets
 from favor.models.bert import Bert
 from favor.models.conformer import Conformer
 from favor.models.decoder import Decoder
@@ -40,9 +40,7 @@ def _dtype(key, value):
 def config(name: str, preset: str = "tiny", **overrides) -> dict[str, Any]:
     """The full keyword set a model is built from: family defaults < preset < overrides."""
     FAMILIES.lookup(name)
-    if preset not in presets.PRESETS[name]:
-        raise ValueError(f"unknown {name} preset {preset!r}; valid: {', '.join(presets.PRESETS[name])}")
-    c = {**presets.DEFAULTS[name], **presets.PRESETS[name][preset]}
+    c = presets.sizes(name, preset)
     unknown = sorted(set(overrides) - set(c))
     if unknown:
         raise ValueError(f"unknown {name} option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(c))}")

@@ -70,3 +70,13 @@ PRESETS = {
         "large": dict(hidden=1024, num_layers=17, heads=16, subsampling_channels=1024),
     },
 }
+
+
+def sizes(family: str, preset: str) -> dict:
+    """The family's defaults with the preset's sizes over them; an unknown family or preset is a ValueError
+    naming the valid ones. Pure data: configs read it without importing JAX."""
+    if family not in PRESETS:
+        raise ValueError(f"unknown model family {family!r}; valid: {', '.join(PRESETS)}")
+    if preset not in PRESETS[family]:
+        raise ValueError(f"unknown {family} preset {preset!r}; valid: {', '.join(PRESETS[family])}")
+    return {**DEFAULTS[family], **PRESETS[family][preset]}
