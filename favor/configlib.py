@@ -10,7 +10,6 @@ imports no JAX; it is re-exported here for the tools that build configs.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import re
@@ -18,16 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 
 from favor import attention as attention_lib
 from favor import data, models, sharding, strings, tasks, uptrain
 from favor.train import optim as optim_lib
-from favor.attention import qknorm, schedule
-from favor.sharding import DEFAULT_RULES, MESH_AXES
+from favor.sharding import MESH_AXES
 
-from favor.configbase import (OPTIM_DEFAULTS, OPTIM_OPTIONAL, _INT_OPTIM, _convert, apply_flag,  # noqa: F401
-                              attention, choice, missing_key, optim, parse_arg, run_config, values)
+# the helpers configs are written with, for the tools that build or change configs
+from favor.configbase import (OPTIM_DEFAULTS, OPTIM_OPTIONAL, apply_flag, attention, choice,  # noqa: F401
+                              missing_key, optim, parse_arg, run_config, values)
 
 # -- loading a config file -----------------------------------------------------------------------------
 def load(spec: str):
@@ -182,27 +180,13 @@ def _validate_model(config) -> None:
     for key in ("dtype", "param_dtype"):
         if key in m:
             _one_of(config, f"model.{key}", models.DTYPES)
-    block = dict(m.attention)
-    kind = block.get("kind")
-    if kind not in attention_lib.names():
-        raise ConfigError("model.attention.kind", kind, f"must be one of {', '.join(attention_lib.names())}")
-    if block.get("redraw"):
-        try:
-            schedule.parse(block["redraw"])
-        except ValueError:
-            raise ConfigError("model.attention.redraw", block["redraw"], f"must be {schedule.HELP}") from None
-    options = attention_lib.block_options(block)
     try:
-        options, qk = qknorm.split(options)
-    except qknorm.OptionError as e:        # the layer's query/key normalisation, named by its key
-        raise ConfigError(f"model.attention.{e.key}", options.get(e.key), str(e)) from None
-    try:
-        attention_lib.get(**options)
-    except (TypeError, ValueError) as e:
-        # the kind's message names the problem; the option that fails alone is the key to report
-        alone = [k for k in options if k != "kind" and _fails(attention_lib, kind, k, options[k])]
-        key = f"model.attention.{alone[0]}" if alone else "model.attention"
-        raise ConfigError(key, options[alone[0]] if alone else block, str(e)) from None
+        kind, options, qk = attention_lib.read_block(m.attention, from_config=True)
+    except attention_lib.BlockError as e:
+        if e.key == "kind":
+            raise ConfigError("model.attention.kind", e.value, f"must be one of {', '.join(attention_lib.names())}") \
+                from None
+        raise ConfigError("model.attention" + (f".{e.key}" if e.key else ""), e.value, str(e)) from None
     spec = str(m.get("init_from", "") or "")
     if spec:
         try:
@@ -224,7 +208,7 @@ def _validate_model(config) -> None:
                               else "must be a positive integer")
         if key.endswith("dropout") and not (_is_number(v) and 0 <= v < 1):
             raise ConfigError(f"model.{key}", v, "must be in [0, 1)")
-    d["attention"] = options
+    d["attention"] = {"kind": kind, **options, **qk}
     try:       # the rest (unknown keys, value choices): the model zoo's own check, which builds nothing
         models.config(name, preset, **d)
     except (KeyError, TypeError, ValueError) as e:
@@ -277,14 +261,6 @@ def _validate_uptrain(config) -> None:
             re.compile(str(get(config, key)))
         except re.error as e:
             raise ConfigError(key, get(config, key), f"must be a regular expression over dotted paths ({e})") from None
-
-
-def _fails(attention_lib, kind, key, value) -> bool:
-    try:
-        attention_lib.get(kind, **{key: value})
-    except (TypeError, ValueError):
-        return True
-    return False
 
 
 def describe_type(value: Any) -> str:

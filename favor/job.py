@@ -46,12 +46,12 @@ def model_builder(config):
     m = config.model.to_dict()
     name, preset = m.pop("name"), m.pop("preset", "tiny")
     m.pop("init_from", None)                          # a trainer option, not a model one (warm_start)
-    m["attention"] = attention_lib.block_options(config.model.attention)
+    kind, options, qk = attention_lib.read_block(config.model.attention, from_config=True)
+    m["attention"] = {"kind": kind, **options, **qk}
     ignored = attention_lib.ignored_block_options(config.model.attention)
     if ignored:
-        log.info("attention %s does not take %s; ignored", m["attention"]["kind"], ", ".join(ignored))
-    kind = m["attention"]["kind"]
-    if not m["attention"].get("qk_norm") and not getattr(attention_lib.get(kind), "positive", True):
+        log.info("attention %s does not take %s; ignored", kind, ", ".join(ignored))
+    if not qk["qk_norm"] and not getattr(attention_lib.get(kind), "positive", True):
         # sign-indefinite estimates at the norms queries and keys reach unnormalised: the denominators go
         # near zero or negative (floored, but a floored row carries no signal), and the model barely learns
         log.warning("attention %s without qk_norm trains poorly (the default job: trig 31 %%, HRF 24 %% "

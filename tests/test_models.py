@@ -170,7 +170,7 @@ def test_bad_input_is_a_clear_error():
         models.get("bert", "huge")
     with pytest.raises(ValueError, match="unknown bert option.*'hiden'.*hidden"):
         models.get("bert", hiden=3)
-    with pytest.raises(ValueError, match="attention must name a kind.*favor\\+\\+"):
+    with pytest.raises(ValueError, match="bert: attention: unknown attention kind .favour.; valid: .*favor\\+\\+"):
         models.get("bert", attention={"kind": "favour"})
     with pytest.raises(ValueError, match="num_featurez"):
         models.get("bert", attention={"kind": "favor+", "num_featurez": 3})

@@ -85,6 +85,61 @@ def ignored_block_options(block) -> list[str]:
     return sorted(k for k, v in dict(block).items() if k not in taken and (k not in OWN_DEFAULT or v))
 
 
+class BlockError(ValueError):
+    """A bad attention block: `key` names the block's key at fault (None: the block as a whole) and `value`
+    its value, so a config check reports `config.model.attention.<key>=<value>`."""
+
+    def __init__(self, key, value, message):
+        super().__init__(message)
+        self.key, self.value = key, value
+
+
+def read_block(block, *, from_config: bool) -> tuple[str, dict, dict]:
+    """The one reading of an attention block -> (kind, the kind's options, the layer's query/key
+    normalisation), checked by building the kind once (nothing is drawn).
+
+    from_config: a config's `model.attention` block (configlib.attention), which carries every kind's
+    options: those the kind does not take are dropped (`block_options`; `ignored_block_options` names
+    them) and its redraw schedule is checked. Otherwise a model's own `attention=` (a kind name or a
+    dict), where an option the kind does not take is an error. Errors are BlockErrors naming the key."""
+    from favor.attention import schedule        # jax-level module: the registry itself stays light to import
+    if isinstance(block, str):
+        block = {"kind": block}
+    if not hasattr(block, "keys") or "kind" not in block:
+        raise BlockError(None, block, f"an attention block needs a 'kind' (one of {', '.join(REGISTRY.entries)}); "
+                                      f"got {block!r}")
+    kind = dict(block)["kind"]
+    if kind not in REGISTRY.entries:
+        raise BlockError("kind", kind, f"unknown attention kind {kind!r}; valid: {', '.join(REGISTRY.entries)}")
+    if from_config:
+        if dict(block).get("redraw"):
+            try:
+                schedule.parse(dict(block)["redraw"])
+            except ValueError:
+                raise BlockError("redraw", dict(block)["redraw"], f"must be {schedule.HELP}") from None
+        block = block_options(block)
+    options = {k: v for k, v in dict(block).items() if k != "kind"}
+    try:
+        options, qk = qknorm.split(options)
+    except qknorm.OptionError as e:
+        raise BlockError(e.key, options.get(e.key), str(e)) from None
+    try:
+        get(kind, **options)
+    except (TypeError, ValueError) as e:
+        # the kind's message names the problem; the option that fails alone is the key to report
+        alone = [k for k in options if _fails(kind, k, options[k])]
+        raise BlockError(alone[0] if alone else None, options[alone[0]] if alone else dict(block), str(e)) from None
+    return kind, options, qk
+
+
+def _fails(kind, key, value) -> bool:
+    try:
+        get(kind, **{key: value})
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
 def block_redraw(block) -> str:
     """The redraw schedule a run with this attention block uses: the block's, or the kind's own default
     (each random-feature kind's, from the measurements in its OPTIONS; "fixed" for kinds that draw

@@ -95,13 +95,7 @@ def attention_spec(attention: Mapping[str, Any]) -> tuple[str, dict, dict]:
     """{'kind': 'favor#', 'num_features': 128, 'qk_norm': 'l2', ...} -> ('favor#', {'num_features': 128,
     ...}, {'qk_norm': 'l2', 'qk_radius': ..., 'qk_radius_max': ...}): the kind, its options, and the
     layer's query/key normalisation (favor.attention.qknorm), which every kind takes."""
-    spec = dict(attention)
-    if "kind" not in spec:
-        raise ValueError(f"attention config needs a 'kind' (one of {', '.join(attention_lib.names())}); "
-                         f"got {spec}")
-    kind = spec.pop("kind")
-    options, qk = qknorm.split(spec)
-    return kind, options, qk
+    return attention_lib.read_block(attention, from_config=False)
 
 
 def rotary(x, positions, base=10000.0):

@@ -3,14 +3,13 @@ set a model is built from."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from favor import attention as attention_lib
-from favor.attention import qknorm
 from favor import presets
 from favor.models.bert import Bert
 from favor.models.conformer import Conformer
@@ -45,14 +44,12 @@ def config(name: str, preset: str = "tiny", **overrides) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown {name} option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(c))}")
     c.update(overrides)
-    attn = c["attention"]
-    if isinstance(attn, str):
-        attn = {"kind": attn}
-    if not isinstance(attn, Mapping) or attn.get("kind") not in attention_lib.names():
-        raise ValueError(f"{name}: attention must name a kind in {', '.join(attention_lib.names())}; got {attn!r}")
-    c["attention"] = dict(attn)
     # unknown attention options fail here, naming the valid ones (the kind's, and the layer's qk_norm)
-    attention_lib.get(**qknorm.split(c["attention"])[0])
+    try:
+        kind, options, qk = attention_lib.read_block(c["attention"], from_config=False)
+    except attention_lib.BlockError as e:
+        raise ValueError(f"{name}: attention: {e}") from None
+    c["attention"] = {"kind": kind, **options, **qk}
     c["dtype"], c["param_dtype"] = _dtype("dtype", c["dtype"]), _dtype("param_dtype", c["param_dtype"])
     return c
 
