@@ -16,7 +16,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from favor import configlib, extras, runtime
+from favor import configlib, extras, runtime, strings
 
 FLAGS = flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard logs and summary.json")
 MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first (TPU pods and SLURM "
@@ -104,7 +104,7 @@ def main(argv):
     if not FLAGS.value:
         raise app.UsageError("--workdir is required (where checkpoints, logs and summary.json go)")
     spec = config_flags.get_config_filename(flags.FLAGS["config"])
-    if not Path(spec.split(":", 1)[0]).is_file():
+    if not Path(strings.config_spec(spec)[0]).is_file():
         fail(f"--config {spec}: no such file")
     absl_logging.set_verbosity(absl_logging.WARNING)     # orbax logs every file it writes at INFO
     handler = logging.StreamHandler(sys.stderr)
