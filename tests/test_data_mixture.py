@@ -79,11 +79,21 @@ def test_evaluation_reads_the_main_source_alone():
 
 
 def test_a_mismatched_source_is_an_error_naming_both():
-    mix = mixture.Mixture(Rows(23, 0, width=3), Rows(7, 1000, width=4), 0.5, names=("rows", "wide"))
+    """Checked when the mixture is built, so every host refuses it alike (whichever rows its slice holds)."""
     with pytest.raises(ValueError, match=r"mix_in.*wide.*\(4,\).*rows.*\(3,\)"):
-        next(mix.train_batches(4))
+        mixture.Mixture(Rows(23, 0, width=3), Rows(7, 1000, width=4), 0.5, names=("rows", "wide"))
+    floats = Rows(7, 1000)
+    floats.train["x"] = floats.train["x"].astype(np.float64) + 0.7
+    with pytest.raises(ValueError, match=r"mix_in.*float64.*int64"):       # no silent cast of 1000.7 to 1000
+        mixture.Mixture(Rows(23, 0), floats, 0.5)
+    wide = Rows(7, 1000)
+    wide.host_dependent_shapes = True
+    with pytest.raises(ValueError, match=r"widths depend on the rows read"):
+        mixture.Mixture(Rows(23, 0), wide, 0.5)
     with pytest.raises(ValueError, match="mix_rate=0.99: fills all 4 rows"):
         next(mixture.Mixture(Rows(5, 0), Rows(5, 1000), 0.99).train_batches(4))
+    with pytest.raises(ValueError, match=r"mix_rate=0.05: mixes no row into a batch of 8 .*at least 0.0625"):
+        next(mixture.Mixture(Rows(5, 0), Rows(5, 1000), 0.05).train_batches(8))
 
 
 def test_a_config_block_builds_the_mixture():
@@ -107,9 +117,10 @@ def test_a_config_block_builds_the_mixture():
     ({"mix_rate": 0.3}, r"mix_rate=0.3: needs data.mix_in"),
     ({"mix_in": "mqar", "mix_rate": 0.3}, r"mix_in='mqar': expected a data block"),
     ({"mix_in": {"name": "mqar"}, "mix_rate": 1.5}, r"mix_rate=1.5: .* in \(0, 1\)"),
-    ({"mix_in": {"name": "mqar"}}, r"mix_rate=nan"),
+    ({"mix_in": {"name": "mqar"}}, r"mix_rate=missing"),
+    ({"mix_in": {"name": "mqar"}, "mix_rate": "abc"}, r"mix_rate='abc'"),
     ({"mix_in": {"name": "nope"}, "mix_rate": 0.5}, r"nope"),
-    ({"mix_in": {"name": "mqar", "colour": 1}, "mix_rate": 0.5}, r"colour"),
+    ({"mix_in": {"name": "mqar", "colour": 1}, "mix_rate": 0.5}, r"^data.mix_in: .*colour"),
     ({"mix_in": {"name": "mqar", "mix_in": {"name": "mqar"}}, "mix_rate": 0.5}, r"cannot mix in another"),
 ])
 def test_bad_mix_keys_are_errors(mix, match):

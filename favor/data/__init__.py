@@ -33,13 +33,13 @@ REGISTRY = Registry("dataset", {
 })
 
 names = REGISTRY.names
-MIX_KEYS = ("mix_in", "mix_rate")
 
 
 def _split_mix(block):
     """(the main block, the mixed-in block or None, the rate), with the mix keys' errors."""
     block = dict(block)
-    extra, rate = block.pop("mix_in", None), block.pop("mix_rate", None)
+    extra, raw = block.pop("mix_in", None), block.pop("mix_rate", None)
+    rate = raw
     if extra is not None and hasattr(extra, "keys") and not dict(extra):
         extra = None                         # an empty block (a config's placeholder): nothing mixed in
     if extra is None:
@@ -57,8 +57,8 @@ def _split_mix(block):
     except (TypeError, ValueError):
         rate = float("nan")
     if not 0.0 < rate < 1.0:
-        raise ValueError(f"data.mix_rate={block.get('mix_rate', rate)}: expected the share of each training batch "
-                         f"the mixed-in source fills, in (0, 1)")
+        raise ValueError(f"data.mix_rate={'missing' if raw is None else repr(raw)}: expected the share of each "
+                         f"training batch the mixed-in source fills, in (0, 1)")
     return block, extra, rate
 
 
@@ -68,8 +68,11 @@ def get(block):
     if extra is None:
         return REGISTRY.from_block(main)
     from favor.data.mixture import Mixture
-    return Mixture(REGISTRY.from_block(main), REGISTRY.from_block(extra), rate,
-                   names=(main.get("name"), extra.get("name")))
+    try:
+        mixed_in = REGISTRY.from_block(extra)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"data.mix_in: {e}") from None
+    return Mixture(REGISTRY.from_block(main), mixed_in, rate, names=(main.get("name"), extra.get("name")))
 
 
 def check(block) -> None:
@@ -77,4 +80,7 @@ def check(block) -> None:
     main, extra, _ = _split_mix(block)
     REGISTRY.check_block(main)
     if extra is not None:
-        REGISTRY.check_block(extra)
+        try:
+            REGISTRY.check_block(extra)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"data.mix_in: {e}") from None

@@ -33,9 +33,18 @@ def mixed_positions(batch_size: int, rate: float) -> np.ndarray:
 
 
 class Mixture(IndexedSource):
+    host_dependent_shapes = False
+
     def __init__(self, main: IndexedSource, extra: IndexedSource, rate: float, names=("main", "mix_in")):
         self.main, self.extra, self.rate, self.names = main, extra, float(rate), names
-        self.host_dependent_shapes = bool(main.host_dependent_shapes or extra.host_dependent_shapes)
+        for source, name in ((main, names[0]), (extra, names[1])):
+            if source.host_dependent_shapes:
+                raise ValueError(f"data.mix_in: {name} gives batches whose widths depend on the rows read; a "
+                                 f"mixture needs two fixed-width sources")
+        # every host checks the same first rows, so all of them agree on a mismatch (a per-batch check
+        # would fire only on the hosts whose slice holds rows of both)
+        _check_alike([(name, s.read("train", np.zeros(1, int), np.zeros(1, int), [np.random.default_rng(0)]))
+                      for s, name in ((main, names[0]), (extra, names[1]))])
 
     @property
     def tokenizer(self):
@@ -59,6 +68,9 @@ class Mixture(IndexedSource):
         mixed = np.zeros(batch_size, bool)
         mixed[mixed_positions(batch_size, self.rate)] = True
         n_mix = int(mixed.sum())
+        if n_mix == 0:
+            raise ValueError(f"data.mix_rate={self.rate}: mixes no row into a batch of {batch_size} (round(rate · B) "
+                             f"= 0); give at least {0.5 / batch_size + 1e-9:.3g}")
         if n_mix == batch_size:
             raise ValueError(f"data.mix_rate={self.rate}: fills all {batch_size} rows of a batch; the main source "
                              f"needs at least one (mix_rate < {1 - 0.5 / batch_size:.3f})")
@@ -80,15 +92,21 @@ class Mixture(IndexedSource):
             step += 1
 
 
+def _check_alike(parts) -> None:
+    """[(name, batch)]: every batch has the first's keys, row shapes and dtypes, else a ValueError naming both."""
+    (first_name, first), *rest = parts
+    want = {k: (v.shape[1:], v.dtype.name) for k, v in first.items()}
+    for name, batch in rest:
+        got = {k: (v.shape[1:], v.dtype.name) for k, v in batch.items()}
+        if got != want:
+            raise ValueError(f"data.mix_in: its batches ({name}: {got}) do not match the main source's "
+                             f"({first_name}: {want}); give it the same row length, batch keys and dtypes")
+
+
 def _assemble(parts, size: int) -> dict:
-    """One batch of `size` rows from [(positions, name, batch)]: every part's keys and row shapes must agree."""
-    (_, first_name, first), *rest = parts
-    for _, name, batch in rest:
-        shapes = {k: v.shape[1:] for k, v in batch.items()}
-        want = {k: v.shape[1:] for k, v in first.items()}
-        if shapes != want:
-            raise ValueError(f"data.mix_in: its batches ({name}: {shapes}) do not match the main source's "
-                             f"({first_name}: {want}); give it the same row length and the same batch keys")
+    """One batch of `size` rows from [(positions, name, batch)], whose keys, row shapes and dtypes agree."""
+    _check_alike([(name, batch) for _, name, batch in parts])
+    first = parts[0][2]
     out = {k: np.empty((size, *v.shape[1:]), v.dtype) for k, v in first.items()}
     for positions, _, batch in parts:
         for k, v in batch.items():

@@ -245,7 +245,8 @@ def _report(p: dict, source_run, runs, recall: dict) -> Report:
                                     f"queried values, above the {label.split(' |')[0]} model ({got.text(1.0)} %): "
                                     f"recall needs more than the band (z = {z:.1f})", v))
         if probed:
-            alone = [k for k in stats if k.endswith(f"| {recipe}") and " band " not in k]
+            # linear kinds without a band: neither "X + band w" nor the band alone ("band w alone")
+            alone = [k for k in stats if k.endswith(f"| {recipe}") and "band" not in k.split(" |")[0]]
             if alone:
                 best = max(alone, key=lambda k: stats[k]["recall"].mean)
                 got = stats[best]["recall"]
