@@ -128,7 +128,16 @@ LONGEST = ("test_sharded_layouts_on_8_devices_match_one_device",
            "test_bench_steps_times_every_kinds_training_step")
 
 
+# the tests `make test-quick` leaves out (`-m "not slow"`): chosen by tests/mark_slow.py from a measured run
+SLOW = frozenset(line.strip() for line in Path(__file__).with_name("slow_tests.txt").read_text().splitlines()
+                 if line.strip() and not line.startswith("#")) if Path(__file__).with_name("slow_tests.txt").exists() \
+    else frozenset()
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST)}                  # longest first
     items.sort(key=lambda item: rank.get(getattr(item, "originalname", item.name), len(LONGEST)))
 
