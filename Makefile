@@ -28,6 +28,7 @@ PYTEST_FLAGS := --timeout 600 --timeout-method thread --dist worksteal
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto $(PYTEST_FLAGS)
 
+# the quick loop: tests/slow_tests.txt (tests/mark_slow.py, from a measured run) marks the rest slow
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -n auto -m "not slow" $(PYTEST_FLAGS)
 

@@ -117,7 +117,9 @@ def xla_flags(*flags):
 # The longest tests, longest first (15–50 s each here: whole train.py runs, sweeps, subprocesses with 8
 # devices), go first, so that the two xdist workers do not finish with one of them running alone while
 # the other idles (the order of the rest is kept; each test still runs exactly as written).
-LONGEST = ("test_sharded_layouts_on_8_devices_match_one_device",
+LONGEST = ("test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow",
+           "test_bench_accel_checks_times_and_writes", "test_a_llama_lora_run_resumes_and_folds_into_the_next_run",
+           "test_sharded_layouts_on_8_devices_match_one_device",
            "test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports",
            "test_sigkill_during_transfer_resumes_to_the_same_result",
            "test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run", "test_quick_run_writes_a_checked_report",
