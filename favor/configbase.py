@@ -69,9 +69,9 @@ def _convert(key: str, value: str | None, default):
 
 
 def values(name: str, text: str, allowed=None) -> tuple:
-    """A sweep arg's list: "softmax/favor+/favor++" -> ("softmax", "favor+", "favor++"). The separator is
-    "/" because "," separates the args themselves and "+" is part of kind names (favor+, favor++). A value
-    outside `allowed` (when given) is a ValueError listing the valid ones."""
+    """A sweep arg's list: "softmax/favor+/favor++" -> ("softmax", "favor+", "favor++") (favor.strings.choices:
+    "/" in a config's arg, where "," separates the args themselves). A value outside `allowed` (when given)
+    is a ValueError listing the valid ones."""
     return strings.choices(name, text, allowed)
 
 

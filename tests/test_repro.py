@@ -705,3 +705,44 @@ def test_linearize_sweep_settings_are_valid_configs_named_as_asked(tmp_path):
     assert recipes["ELU + band 8 | LoLCATs"]["model.attention.window_mix"] == "learned"
     assert "model.attention.window_mix" not in recipes["FAVOR# + band 8 | LoLCATs"]
     assert recipes["band 8 alone | LoLCATs"]["uptrain.transfer_steps"] == 0
+
+
+def test_linearize_recall_probe_scores_an_oracle_and_reads_the_eval_stream(tmp_path, monkeypatch):
+    """probe_recall against models written here: one that answers every query with the value paired with its
+    key in the context scores 1; the same answers one position late score (about) nothing; a run without
+    MQAR mixed in is not probed; the figure is cached per checkpoint step."""
+    import json
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from favor.repro import linearize as lin
+    from favor.tools import generate
+
+    pairs, vocab = 4, 64
+
+    class Oracle(nnx.Module):
+        def __init__(self, late=False):
+            self.late = late
+
+        def __call__(self, ids):
+            keys, values = ids[:, 0:2 * pairs:2], ids[:, 1:2 * pairs:2]            # the context k1 v1 k2 v2 ...
+            hit = ids[:, :, None] == keys[:, None, :]                              # [B, L, pairs]
+            answer = jnp.sum(jnp.where(hit, values[:, None, :], 0), -1)
+            if self.late:
+                answer = jnp.roll(answer, 1, axis=1)
+            return {"logits": 10.0 * jax.nn.one_hot(answer, vocab)}
+
+    model = Oracle()
+    monkeypatch.setattr(generate, "load", lambda workdir: (None, model, None))
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    block = {"name": "mqar", "vocab_size": vocab, "seq_len": 32, "num_pairs": pairs, "random_non_queries": False}
+    (run / "config.json").write_text(json.dumps({"data": {"mix_in": block}}))
+    assert lin.probe_recall(run) == 1.0
+    model = Oracle(late=True)
+    assert lin.probe_recall(run) == 1.0                 # cached for step 5
+    (run / "checkpoints" / "10").mkdir()
+    assert lin.probe_recall(run) < 0.05                 # a new checkpoint is probed again
+    assert json.loads((run / "recall.json").read_text())["probe"]["step"] == 10
+    (run / "config.json").write_text(json.dumps({"data": {}}))
+    assert lin.probe_recall(run) is None

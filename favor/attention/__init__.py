@@ -13,4 +13,5 @@ from favor.attention.registry import (SPEC_OPTIONS, BlockError, block_options, b
                                       ignored_block_options, names, parse_spec, parse_specs, read_block)
 
 __all__ = ["SPEC_OPTIONS", "Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn",
-           "block_options", "block_redraw", "get", "ignored_block_options", "names", "parse_spec", "parse_specs", "BlockError", "read_block"]
+           "block_options", "block_redraw", "get", "ignored_block_options", "names", "parse_spec", "parse_specs",
+           "BlockError", "read_block"]

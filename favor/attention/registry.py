@@ -4,7 +4,7 @@ command line (`kind[:variant][@window]`) and a config's attention block."""
 from __future__ import annotations
 
 from favor import strings
-from favor.attention import qknorm
+from favor.attention import qknorm, schedule
 from favor.attention.kinds import KINDS
 from favor.registry import Registry
 
@@ -102,23 +102,23 @@ def read_block(block, *, from_config: bool) -> tuple[str, dict, dict]:
     options: those the kind does not take are dropped (`block_options`; `ignored_block_options` names
     them) and its redraw schedule is checked. Otherwise a model's own `attention=` (a kind name or a
     dict), where an option the kind does not take is an error. Errors are BlockErrors naming the key."""
-    from favor.attention import schedule        # jax-level module: the registry itself stays light to import
     if isinstance(block, str):
         block = {"kind": block}
     if not hasattr(block, "keys") or "kind" not in block:
         raise BlockError(None, block, f"an attention block needs a 'kind' (one of {', '.join(REGISTRY.entries)}); "
                                       f"got {block!r}")
-    kind = dict(block)["kind"]
+    block = dict(block)
+    kind = block["kind"]
     if kind not in REGISTRY.entries:
         raise BlockError("kind", kind, f"unknown attention kind {kind!r}; valid: {', '.join(REGISTRY.entries)}")
     if from_config:
-        if dict(block).get("redraw"):
+        if block.get("redraw"):
             try:
-                schedule.parse(dict(block)["redraw"])
+                schedule.parse(block["redraw"])
             except ValueError:
-                raise BlockError("redraw", dict(block)["redraw"], f"must be {schedule.HELP}") from None
+                raise BlockError("redraw", block["redraw"], f"must be {schedule.HELP}") from None
         block = block_options(block)
-    options = {k: v for k, v in dict(block).items() if k != "kind"}
+    options = {k: v for k, v in block.items() if k != "kind"}
     try:
         options, qk = qknorm.split(options)
     except qknorm.OptionError as e:
@@ -128,7 +128,7 @@ def read_block(block, *, from_config: bool) -> tuple[str, dict, dict]:
     except (TypeError, ValueError) as e:
         # the kind's message names the problem; the option that fails alone is the key to report
         alone = [k for k in options if _fails(kind, k, options[k])]
-        raise BlockError(alone[0] if alone else None, options[alone[0]] if alone else dict(block), str(e)) from None
+        raise BlockError(alone[0] if alone else None, options[alone[0]] if alone else block, str(e)) from None
     return kind, options, qk
 
 

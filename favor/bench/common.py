@@ -123,7 +123,8 @@ def setup(spec, length, causal):
 
 
 def ints(parser, flag, text):
-    """A list of positive integers (favor.strings: "," or "/" between them), or the parser's error naming the flag and the value."""
+    """A list of positive integers (favor.strings: "," or "/" between them), or the parser's error naming
+    the flag and the value."""
     try:
         return strings.positive_ints(flag, text)
     except ValueError as e:

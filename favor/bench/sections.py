@@ -19,20 +19,28 @@ def markers(section):
     return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 
 
-def replace_section(out_dir, section, body):
+INTRO = "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
+
+
+def replace_section(out_dir, section, body, at_top=False):
+    """Writes `body` between the section's markers in place; a new section goes at the end, or with
+    `at_top` right after the file's title and intro (before its first section)."""
     begin, end = markers(section)
     body = f"{begin}\n{body}\n{end}"
     md = Path(out_dir) / "BENCHMARKS.md"
     text = md.read_text() if md.exists() else INTRO
     if begin in text and end in text:
         text = text[:text.index(begin)] + body + text[text.index(end) + len(end):]
+    elif at_top:
+        found = [i for i in (text.find("\n## "), text.find("\n<!-- ")) if i >= 0]
+        first = min(found) + 1 if found else len(text)
+        text = text[:first] + body + "\n\n" + text[first:]
     else:
         text = text.rstrip() + "\n\n" + body + "\n"
     md.write_text(text)
 
 
 HEADLINE = "headline"
-INTRO = "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
 
 
 def met(row) -> bool:
@@ -77,19 +85,8 @@ def headline(out_dir) -> str:
 
 def refresh_headline(out_dir):
     """Rewrites the headline between its markers, right after the file's title and intro."""
-    md = Path(out_dir) / "BENCHMARKS.md"
-    if not md.exists():
-        return
-    begin, end = markers(HEADLINE)
-    body = f"{begin}\n{headline(out_dir)}\n{end}"
-    text = md.read_text()
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + body + text[text.index(end) + len(end):]
-    else:
-        found = [i for i in (text.find("\n## "), text.find("\n<!-- ")) if i >= 0]
-        first = min(found) + 1 if found else len(text)
-        text = text[:first] + body + "\n\n" + text[first:]
-    md.write_text(text)
+    if (Path(out_dir) / "BENCHMARKS.md").exists():
+        replace_section(out_dir, HEADLINE, headline(out_dir), at_top=True)
 
 
 def write_json(out_dir, name, payload):

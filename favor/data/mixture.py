@@ -79,8 +79,7 @@ class Mixture(IndexedSource):
         while True:
             rows = np.empty(batch_size, np.int64)
             rows[~mixed] = self.main.train_indices(batch_size - n_mix, step, seed)
-            if n_mix:
-                rows[mixed] = self.extra.train_indices(n_mix, step, seed ^ MIX_STREAM)
+            rows[mixed] = self.extra.train_indices(n_mix, step, seed ^ MIX_STREAM)
             rngs = [np.random.default_rng([seed, step, int(p), 0xDA7A]) for p in mine]
             parts = []
             for source, which, name in ((self.main, ~mixed, self.names[0]), (self.extra, mixed, self.names[1])):
