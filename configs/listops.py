@@ -77,7 +77,9 @@ def sweep(arg=None):
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
     from favor import attention, sweeps        # the kinds' registry: JAX, which writing a config never needs
     kinds = configbase.values("kinds", args.kinds or "/".join(attention.names()), attention.names())
-    settings = [{"model.attention.kind": kind} for kind in kinds]
+    # trig and HRF as favor advises them (qk_norm=l2): without it they do not train, and a comparison on
+    # that setting would rate favor's warning rather than the kernels
+    settings = [sweeps.as_advised({"model.attention.kind": kind}) for kind in kinds]
     if int(args.band) > 0:
         settings.append({"model.attention.kind": "favor++", "model.attention.window": int(args.band)})
     if args.floor:

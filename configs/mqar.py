@@ -51,8 +51,7 @@ def sweep(arg=None):
     for k in list(kinds) + others:
         ws = widths if k in kinds else [widths[len(widths) // 2]]
         # sign-indefinite kinds (trig, HRF) on the sphere, as favor advises: unnormalised they barely train
-        norm = {} if getattr(attention.get(k), "positive", True) else {"model.attention.qk_norm": "l2"}
-        settings += [{kind: k}] if k in ("relu", "elu") else [{kind: k, width: w, **norm} for w in ws]
+        settings += [{kind: k}] if k in ("relu", "elu") else [sweeps.as_advised({kind: k, width: w}) for w in ws]
     settings += [{kind: "favor+", width: widths[len(widths) // 2], band: int(b)}
                  for b in strings.positive_ints("bands", args.bands, nonempty=False)]
     yield from sweeps.seed_by_seed(settings, range(int(args.seeds)))

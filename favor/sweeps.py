@@ -54,6 +54,17 @@ def kind_settings(name: str, text: str) -> list[dict]:
             for _, kind, options in attention.parse_specs(name, text)]
 
 
+def as_advised(setting: Mapping) -> dict:
+    """`setting` with queries and keys on the sphere (`qk_norm=l2`) when its kind is sign-indefinite (trig,
+    HRF) and it sets no qk_norm of its own: the way favor advises running them (favor.job warns without it:
+    their denominators near zero at unnormalised norms, the model barely learns)."""
+    setting = dict(setting)
+    kind = setting.get("model.attention.kind")
+    if kind and "model.attention.qk_norm" not in setting and not getattr(attention.get(kind), "positive", True):
+        setting["model.attention.qk_norm"] = "l2"
+    return setting
+
+
 def is_seed_key(key: str) -> bool:
     return key.split(".")[-1] in SEED_KEYS
 
