@@ -299,7 +299,7 @@ def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, caps
         trained.run_sweep(one.replace("seeds=2", "seeds=3"), tmp_path / "fails", parallel=1)
     with pytest.raises(trained.SweepError, match=r"holds the sweep of another config .*kind=nope\); this one is"):
         trained.run_sweep(one, tmp_path / "fails", parallel=1, extra=["--config.total_steps=3"])
-    for bad, said in ((["--seeds", "1"], "--seeds 1"),
+    for bad, said in ((["--sides", "vit/gpt"], "--sides: unknown 'gpt'"), (["--seeds", "1"], "--seeds 1"),
                       (["--vit-steps", "5"], "--vit-steps 5 with --quick"), (["--kinds", "favor#:nope"], "nope"),
                       (["--kinds", "favor#/favor#:sderf"], "two specs name one setting")):
         assert main(["uptrain-kernels", "--quick", *bad, "--out", str(tmp_path / "u")]) == 2
@@ -525,7 +525,8 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
 def test_uptrain_report_reads_day_0_at_step_0_and_rates_each_side_by_hand_computed_z():
     """uptrain-kernels on made-up finished runs: day 0 is each run's step-0 evaluation and "after K" its
     final one, FAVOR#'s variant names the setting (no variant: SDERF), each claim's z is the hand-computed
-    Welch figure, and a claim that is another task's is named as carried over to the ViT."""
+    Welch figure, a claim that is another model's is named as carried over to the ViT, and a BERT source
+    below 30 % masked-token accuracy fails its check."""
     import numpy as np
     from favor.repro import trained, uptrain_kernels as uk
     from favor.tools.report import RunRecord
@@ -554,7 +555,7 @@ def test_uptrain_report_reads_day_0_at_step_0_and_rates_each_side_by_hand_comput
     side = {"source": ("/c/configs/default.py:seeds=1,kinds=softmax", []), "steps": 300, "metric": "accuracy",
             "uptrain": ("/c/configs/default.py:seeds=3,kinds=x", ["--config.total_steps=300"]), "seeds": 3,
             "asked": list(settings), "source_run": source(0.96), "runs": runs, "settings": settings}
-    rep = uk._report({"vit": side})
+    rep = uk._report({"vit": side, "bert": {**side, "source_run": source(0.25)}})
     row = next(r for r in rep.rows if r[:2] == ["digits ViT", "FAVOR++"])
     assert row[2] == "59.0 ± 3.6" and row[3] == "95.5 ± 0.5"
     pp, p = np.array(figures[("favor++", None)][1]), np.array(figures[("favor+", None)][1])   # after K
@@ -565,10 +566,15 @@ def test_uptrain_report_reads_day_0_at_step_0_and_rates_each_side_by_hand_comput
     z = (pp.mean() - p.mean()) / np.sqrt(np.var(pp, ddof=1) / 3 + np.var(p, ddof=1) / 3)
     claim = next(t for t, _ in rep.comparisons if t.startswith("digits ViT, day 0: FAVOR++"))
     assert f"(z = {z:.1f})" in claim and "not a figure of the paper" in claim, claim
-    # FAVOR# Table 1 is a GLUE claim: rated here, named as carried over to the ViT
+    # the BERT-MLM's head is the source's: day 0 rated on both sides; a weak source is said beside each claim
+    bert = [t for t, _ in rep.comparisons if t.startswith("BERT-MLM")]
+    assert any("day 0" in t for t in bert)
+    assert all("read with care" in t for t in bert if "task check" not in t)
+    # FAVOR# Table 1 is a BERT claim: rated on both, named as the paper's on the BERT side only
     sharp = [t for t, _ in rep.comparisons if "FAVOR# (SADERF)" in t and "> FAVOR+ (" in t and "after" in t]
-    assert len(sharp) == 1 and "FAVOR# Table 1, here on the digits ViT" in sharp[0]
-    assert all(ok for _, ok in rep.checks)
+    assert len(sharp) == 2 and sum("here on the digits ViT" in t for t in sharp) == 1
+    assert [ok for claim, ok in rep.checks if "masked-token" in claim] == [False]
+    assert all(ok for claim, ok in rep.checks if "masked-token" not in claim)
     incomplete = uk._report({"vit": {**side, "asked": list(settings) + ["ELU"]}})
     assert incomplete.checks[0][1] is False
     with pytest.raises(trained.SweepError, match="no step-0"):
@@ -576,7 +582,7 @@ def test_uptrain_report_reads_day_0_at_step_0_and_rates_each_side_by_hand_comput
 
 
 def test_uptrain_sweeps_give_the_settings_the_report_asks_for():
-    """The settings uptrain-kernels asks for are the labels its sweeps' runs get (the uptraining sweep,
+    """The settings uptrain-kernels asks for are the labels its sweeps' runs get (each side's uptraining sweep,
     loaded from its config as the launcher does), for the default kinds and for specs whose variant is
     left to the kind (favor# is FAVOR# (SDERF), hrf HRF (angular))."""
     import argparse
@@ -585,7 +591,8 @@ def test_uptrain_sweeps_give_the_settings_the_report_asks_for():
     from favor.tools.report import RunRecord
 
     for kinds in (None, "favor#/hrf/favor+@8/simrf:positive/elu"):
-        args = argparse.Namespace(quick=False, seeds=3, kinds=kinds, vit_steps=None, parallel=2)
+        args = argparse.Namespace(quick=False, seeds=3, sides=None, kinds=kinds, vit_steps=None, bert_steps=None,
+                                  bert_source_steps=None, parallel=2)
         for side, p in uk.plan(args).items():
             runs = sweeps.load(p["uptrain"][0])
             labels = [uk._label(RunRecord(r.name, None, config=dict(r.overrides))) for r in runs]

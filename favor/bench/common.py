@@ -4,6 +4,7 @@ same-FLOP matmul yardstick, and how a kind spec becomes the benchmarked layer.""
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 
@@ -24,6 +25,25 @@ def timed(fn, args, repeats, min_seconds=0.3):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def round_robin(programs, rounds, seed=0):
+    """{name: [seconds of each round]} of `programs` ({name: (function, arguments, factor on its time)}),
+    each warmed once, then timed round by round, every round running each program once in a fresh random
+    order: a burst of load on a shared machine falls on all of them alike, so per-round ratios hold."""
+    times = {name: [] for name in programs}
+    order = list(programs)
+    rnd = random.Random(seed)
+    for fn, args, _ in programs.values():
+        jax.block_until_ready(fn(*args))
+    for _ in range(rounds):
+        rnd.shuffle(order)
+        for name in order:
+            fn, args, factor = programs[name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append((time.perf_counter() - t0) * factor)
+    return times
 
 
 def peak_bytes(compiled):

@@ -3,15 +3,12 @@ round-robin, as ratios against targets (a named set or NUMERATOR,DENOMINATOR,TAR
 
 from __future__ import annotations
 
-import random
 import statistics
-import time
-
-import jax
 
 from favor import attention, runtime
 from favor.bench import sections
-from favor.bench.common import B, D, H, M, compile_fn, counted_flops, layer_fn, setup, square_matmul
+from favor.bench.common import (B, D, H, M, compile_fn, counted_flops, layer_fn, round_robin, setup,
+                                square_matmul)
 
 # The long-sequence speed targets, each "numerator : denominator ≤ target". An entry is kind/mode; "matmul:kind/mode"
 # is a square matmul with that entry's forward FLOP count (as in the attention table).
@@ -78,18 +75,7 @@ def ratios(targets, length, rounds, seed=0):
         if matmul:
             twin = e[len("matmul:"):]
             programs[e] = square_matmul(flops[twin] if twin in flops else _forward(kind, length, causal, grad)[2])
-    times = {e: [] for e in entries}
-    order = list(entries)
-    rnd = random.Random(seed)
-    for fn, args, _ in programs.values():
-        jax.block_until_ready(fn(*args))                                   # warm
-    for _ in range(rounds):
-        rnd.shuffle(order)
-        for e in order:
-            fn, args, factor = programs[e]
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[e].append((time.perf_counter() - t0) * factor)
+    times = round_robin(programs, rounds, seed)
     rows = []
     for num, den, target in targets:
         per_round = [a / b for a, b in zip(times[num], times[den])]

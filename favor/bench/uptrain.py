@@ -15,6 +15,7 @@ BENCHMARKS.md (section uptrain-<config name>), the raw figures to bench/<section
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -120,10 +121,11 @@ def measure(spec, flags, kinds, steps, transfer_steps, draws, workdir, metric, s
     return results
 
 
-def day0(config, workdir, seeds):
+def day0(config, workdir, seeds, batches=None):
     """The eval metrics of `config`'s model (init_from a source) before any step, once per seed in
     `seeds` (the seed picks the evaluation ω, as job.run's evaluation does: the first equals a
-    `total_steps=0` run's). The model is loaded and the evaluation compiled once for all draws."""
+    `total_steps=0` run's), over the first `batches` evaluation batches (None: the whole split). The
+    model is loaded and the evaluation compiled once for all draws."""
 
     from favor import job                       # the training stack: as in _config
     from favor.train import steps
@@ -134,8 +136,8 @@ def day0(config, workdir, seeds):
     out = []
     for seed in seeds:
         key = jax.random.fold_in(jax.random.PRNGKey(int(seed)), job.EVAL_FEATURES_STREAM)
-        batches = (layout.global_batch(b) for b in source.eval_batches(int(config.eval_batch_size)))
-        out.append(steps.evaluate(state, batches, step_fn=step_fn, finalize=task.finalize,
+        data = itertools.islice(source.eval_batches(int(config.eval_batch_size)), batches)
+        out.append(steps.evaluate(state, (layout.global_batch(b) for b in data), step_fn=step_fn, finalize=task.finalize,
                                     features_fn=(lambda p, r: draw(p, r, key)) if redraws else None))
     return out
 

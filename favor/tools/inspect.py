@@ -55,16 +55,24 @@ def _build(spec, num_features, run_block):
     return label, attn
 
 
-def load(workdir):
-    """(config, model module with the run's parameters, its evaluation batches, task) of a run's newest
-    checkpoint; the module's attention layers record their inputs."""
-    workdir = Path(workdir).absolute()
-    spec = f"run:{workdir}"
+def run_config(workdir):
+    """The config of a run's newest checkpoint, set to start from that checkpoint (`init_from=run:`), with
+    no transfer stage: what rebuilding the run's model for a look at it needs."""
+    spec = f"run:{Path(workdir).absolute()}"
     config = uptrain.open_checkpoint(uptrain.parse(spec)).config
     with config.unlocked():
         config.model.init_from = spec
         if "uptrain" in config:
             config.uptrain.transfer_steps = 0
+    return config
+
+
+def load(workdir, config=None):
+    """(config, model module with the run's parameters, its evaluation batches, task) of a run's newest
+    checkpoint — or of `config`'s `init_from` (a Hugging Face directory), built in `workdir`; the
+    module's attention layers record their inputs."""
+    workdir = Path(workdir).absolute()
+    config = run_config(workdir) if config is None else config
     config, source, task, model, layout, state = job.rebuild(config, workdir)
     params, rest = state["params"], state["rest"]
     features_fn = job.eval_features_fn(config, model)
@@ -122,17 +130,28 @@ def _kind_figures(attn, causal, q, k, v, mask, key, own_draw=None):
     return diff, rv, rows
 
 
-def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=0, log=print) -> dict:
-    """Per layer and head: relative error against softmax per kind (and M), query/key norms, relative
-    variance. Returns a JSON-ready dict; `log` gets one line per batch."""
-    config, module, data, task = load(workdir)
-    layers = _layers(module)
-    run_block = dict(config.model.attention)
-    built = []
+def pairs_of(kinds, num_features=(None,)) -> list[tuple]:
+    """[(spec, M)]: every random-feature kind of `kinds` at each M of `num_features` (None: the run's), the
+    other kinds once."""
+    out = []
     for spec in kinds:
         kind = attention_lib.get(attention_lib.parse_spec(spec)[0])
         ms = num_features if isinstance(kind, attention_lib.RandomFeatureAttention) else (None,)
-        built += [_build(spec, m, run_block) for m in ms]
+        out += [(spec, m) for m in ms]
+    return out
+
+
+def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=0, log=print, config=None,
+            pairs=None) -> dict:
+    """Per layer and head: relative error against softmax per kind (and M), query/key norms, relative
+    variance. Returns a JSON-ready dict; `log` gets one line per batch. `config`: a model to build in
+    `workdir` from its `init_from` instead of the run there (load); `pairs`: [(spec, M)] in place of
+    kinds × num_features. The result's "labels" lists each pair's row label, in order."""
+    config, module, data, task = load(workdir, config)
+    layers = _layers(module)
+    run_block = dict(config.model.attention)
+    pairs = pairs_of(kinds, num_features) if pairs is None else list(pairs)
+    built = [_build(spec, m, run_block) for spec, m in pairs]
     # the run's own kind, as it ran, on a run that keeps one draw: figures on the ω its layers store
     as_run = _build(run_block["kind"], None, run_block)[1].options
     own = {label for label, attn in built if isinstance(attn, attention_lib.RandomFeatureAttention)
@@ -157,6 +176,7 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
             for p in path:
                 node = node[p]
             x, mask, positions, _ = node["transfer"].get_value()[0]
+            length = x.shape[1]
             q, k, v = layer.project(x, positions)
             tokens = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask, bool)
             if "valid" in batch:
@@ -188,7 +208,8 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
     if not seen:
         raise ValueError(f"{workdir}: the evaluation split gave no batch")
     result = {"workdir": str(workdir), "batches": seen, "layers": len(layers), "heads": heads,
-              "own_draw": sorted(own),
+              "head_dim": layers[0][1].head_dim, "causal": bool(layers[0][1].causal), "length": int(length),
+              "labels": [label for label, _ in built], "own_draw": sorted(own),
               "query_norm": (nq / np.maximum(count, 1)).tolist(), "key_norm": (nk / np.maximum(count, 1)).tolist(),
               "query_norm_max": mq.tolist(), "key_norm_max": mk.tolist(), "kinds": {}}
     for label, _ in built:
