@@ -3,7 +3,7 @@
     python train.py --config configs/<file>.py[:args] --workdir DIR [--config.a.b=value ...]
 
 Configs are locked: overriding a key the config does not have is an error naming it. Every value is
-checked (favor.configlib.validate) before anything is built or compiled; a bad one ends the run with
+checked (favor.job.validate) before anything is built or compiled; a bad one ends the run with
 one last line `error: config.<key>=<value>: <what is allowed>` and exit status 2.
 """
 
@@ -123,11 +123,11 @@ def main(argv):
         jax.distributed.initialize(coordinator_address=COORDINATOR.value, num_processes=NUM_PROCESSES.value,
                                    process_id=PROCESS_ID.value)
     config = CONFIG.value
+    from favor import job                 # the training stack, loaded once the flags have parsed
     try:
-        configlib.validate(config)        # job.run checks again; here the error is one line, not a traceback
+        job.validate(config)        # job.run checks again; here the error is one line, not a traceback
     except (configlib.ConfigError, extras.MissingExtra) as e:
         fail(str(e))
-    from favor import job
     try:
         summary = job.run(config, FLAGS.value)
     except (extras.MissingExtra, configlib.ConfigError) as e:   # a pipeline whose optional packages are not

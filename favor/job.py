@@ -24,7 +24,8 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from favor import checkpoint, configlib, data, models, sharding, tasks, uptrain
+from favor import checkpoint, data, models, sharding, tasks, uptrain
+from favor.configcheck import ConfigError, integer
 from favor import attention as attention_lib
 from favor.attention import schedule
 from favor.data import atomic
@@ -60,7 +61,7 @@ def model_builder(config):
     full = models.config(name, preset, **m)          # validates every key before anything is built
     seed = int(config.seed)
     up = config.get("uptrain", {})
-    lora_on = configlib.uses_lora(up)
+    lora_on = uptrain.uses_lora(up)
 
     def build(keys=None):
         """keys: {"params", "dropout", "features"} -> typed PRNG keys, default those of config.seed. Passed
@@ -73,7 +74,7 @@ def model_builder(config):
                 models.lora.add(model, int(up.lora_rank), float(up.lora_alpha), str(up.lora_targets),
                                 rngs=nnx.Rngs(params=jax.random.fold_in(keys["params"], LORA_STREAM)))
             except ValueError as e:          # targets that select nothing: the config's error
-                raise configlib.ConfigError("uptrain.lora_targets", str(up.lora_targets), str(e)) from None
+                raise ConfigError("uptrain.lora_targets", str(up.lora_targets), str(e)) from None
         return model
     return build, full
 
@@ -82,7 +83,7 @@ def trainable(config, abstract_params):
     """What the main training trains: a bool per parameter for a LoRA run (its adapters and
     uptrain.lora_also), None (everything) otherwise."""
     up = config.get("uptrain", {})
-    if not configlib.uses_lora(up):
+    if not uptrain.uses_lora(up):
         return None
     return uptrain.trainable_mask(abstract_params, "lora", str(up.get("lora_also", "")))
 
@@ -309,11 +310,42 @@ def make_evaluate(config, model: ModelPlan, task, source, layout: Layout) -> Cal
 
 
 # -- the run ---------------------------------------------------------------------------------------------
+RUN_KEYS = ("seed", "total_steps", "batch_size", "eval_batch_size", "checkpoint_every", "eval_every", "log_every",
+            "keep_checkpoints", "mesh", "data", "task", "model", "optim")
+
+
+def validate(config) -> None:
+    """Check every key a run reads, before anything is built or compiled: the run's own keys here, then each
+    block by the package that owns it (the optimizer, the mesh and batches, the model, uptraining, data,
+    task). The first bad key is a ConfigError `config.<key>=<value>: <what is allowed>`; registered names
+    (attention kind, dataset, task, model) name the valid choices."""
+    missing = [k for k in RUN_KEYS if k not in config]
+    if missing:
+        raise ConfigError(missing[0], None, "is required (every configs/*.py sets it through configbase.run_config)")
+    integer(config, "seed", 0)
+    integer(config, "total_steps", 0)
+    for key in ("checkpoint_every", "eval_every", "log_every", "keep_checkpoints"):
+        integer(config, key, 1)
+    if "prefetch" in config:
+        integer(config, "prefetch", 0)
+    sharding.check(config, accumulate=optim.check(config))
+    models.check(config)
+    uptrain.check(config)
+    for key, package in (("data", data), ("task", tasks)):
+        name = dict(config[key]).get("name")
+        if name not in package.names():
+            raise ConfigError(f"{key}.name", name, f"must be one of {', '.join(package.names())}")
+        try:
+            package.check(config[key])          # option names (values: the source or task checks them)
+        except ValueError as e:
+            raise ConfigError(key, dict(config[key]), str(e)) from None
+
+
 def run(config, workdir) -> Summary:
     """Train `config` in `workdir`, resuming from its newest whole checkpoint. Returns the summary
     (also written to workdir/summary.json) with the final train state as `summary.state`."""
     t_start = time.perf_counter()
-    configlib.validate(config)           # every key, before anything is built or compiled
+    validate(config)                     # every key, before anything is built or compiled
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = sharding.make_mesh(config.mesh)

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from favor import configbase
+from favor.configcheck import ConfigError, get, is_int
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -127,3 +128,37 @@ def _pad_to_common_shape(local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         i += a.ndim - 1
         out[k] = np.pad(a, [(0, 0)] + [(0, int(w) - s) for w, s in zip(want, a.shape[1:])])
     return out
+
+
+def check(config, accumulate: int = 1) -> None:
+    """`config.mesh` (known axes, positive sizes or -1, a product the devices fill), `config.sharding_rules`
+    (mesh axes or None) and the batch sizes the data-parallel devices and processes must divide (the
+    per-device batch also by `accumulate` microbatches): ConfigError naming the first bad key."""
+    mesh_spec = dict(config.mesh)
+    for axis, n in mesh_spec.items():
+        if axis not in MESH_AXES:
+            raise ConfigError(f"mesh.{axis}", n, f"unknown mesh axis {axis!r}; valid: {', '.join(MESH_AXES)}")
+        if not is_int(n) or (n < 1 and n != -1):
+            raise ConfigError(f"mesh.{axis}", n, "must be a positive integer, or -1 for the devices the other "
+                                                 "axes leave")
+    try:
+        sizes = mesh_shape(mesh_spec, jax.device_count())
+    except ValueError as e:
+        # name the axis when one alone departs from the default layout (the one the user set)
+        named = [a for a, n in mesh_spec.items() if n not in (1, -1)]
+        key, value = (f"mesh.{named[0]}", mesh_spec[named[0]]) if len(named) == 1 else ("mesh", mesh_spec)
+        raise ConfigError(key, value, str(e)) from None
+    for name, axis in dict(config.get("sharding_rules", {})).items():
+        if axis is not None and axis not in MESH_AXES:
+            raise ConfigError(f"sharding_rules.{name}", axis, f"must be a mesh axis ({', '.join(MESH_AXES)}) or None")
+    dp, procs = sizes["data"] * sizes["fsdp"], jax.process_count()
+    for key in ("batch_size", "eval_batch_size"):
+        v = get(config, key)
+        if not is_int(v) or v < 1 or v % dp or v % procs:
+            procs_too = f" and by the {procs} processes" if procs > 1 else ""
+            raise ConfigError(key, v, f"must be a positive integer divisible by the number of data-parallel "
+                                      f"devices ({dp}){procs_too}")
+    per_device = config.batch_size // dp
+    if per_device % accumulate:       # each microbatch is split over the data-parallel devices too
+        raise ConfigError("optim.accumulate_steps", accumulate, f"must divide the per-device batch "
+                                                                f"(batch_size / {dp} devices = {per_device})")

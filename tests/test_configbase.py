@@ -1,5 +1,5 @@
-"""Writing a config imports no JAX: every configs/*.py's get_config() in a process that then holds no jax,
-flax or TensorFlow; and the block defaults configbase keeps agree with the modules that read them."""
+"""Writing a config imports no JAX: every configs/*.py's get_config() — and loading and overriding one
+through favor.configlib — in a process that then holds no jax, flax or TensorFlow; and the block defaults configbase keeps agree with the modules that read them."""
 
 import subprocess
 import sys
@@ -26,6 +26,11 @@ for path in sorted(Path("configs").glob("*.py")):
     heavy = [m for m in ("jax", "flax", "tensorflow", "optax", "orbax") if m in sys.modules]
     assert not heavy, f"{path}: get_config() imported {heavy}"
     print(path.name)
+from favor import configlib                       # loading and overriding a config, as the tools do
+config = configlib.load("configs/default.py:runlocal")
+configlib.apply_flag(config, "model.attention.kind=favor+")
+heavy = [m for m in ("jax", "flax", "tensorflow", "optax", "orbax") if m in sys.modules]
+assert not heavy and config.model.attention.kind == "favor+", f"configlib imported {heavy}"
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import attention, configlib
+from favor import attention, configlib, job
 from favor.attention import qknorm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def test_every_config_variant_builds_and_validates(module, arg, tmp_path):
     c = module.get_config(arg.format(tmp=tmp_path))
     assert all(k in c for k in RUN_KEYS)
     assert c.batch_size % 2 == 0 and c.total_steps > 0 and c.model.attention.kind
-    configlib.validate(c)
+    job.validate(c)
 
 
 def test_arg_strings_parse_into_the_types_of_the_defaults():
@@ -123,5 +123,5 @@ def test_decoder_lm_sizes_are_keys_a_command_line_sets():
     assert (c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim) == (256, 4, 4, 704)
     for flag in ("model.hidden=128", "model.num_layers=2", "model.mlp_dim=384"):
         configlib.apply_flag(c, flag)
-    configlib.validate(c)
+    job.validate(c)
     assert (c.model.hidden, c.model.num_layers, c.model.mlp_dim) == (128, 2, 384)

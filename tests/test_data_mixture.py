@@ -5,7 +5,7 @@ main source alone, and the errors."""
 import numpy as np
 import pytest
 
-from favor import configlib, data
+from favor import configlib, data, job
 from favor.data import mixture, mqar
 from favor.data.source import ArraySource
 
@@ -136,4 +136,4 @@ def test_the_config_check_reports_a_bad_mix_in_one_line():
     c = mqar_config.get_config("runlocal")
     c.data.mix_rate = 0.5
     with pytest.raises(configlib.ConfigError, match=r"config.data=.*mix_rate=0.5: needs data.mix_in"):
-        configlib.validate(c)
+        job.validate(c)

@@ -308,14 +308,14 @@ def test_softmax_impl_option():
 def test_config_impl_override():
     """`--config.model.attention.impl=pallas` reaches the layer; on a kind the kernel does not cover it is a
     config error naming the key, the value and why."""
-    from favor import configlib
+    from favor import configlib, job
     config = configlib.load("configs/default.py")
     configlib.apply_flag(config, "--config.model.attention.impl=pallas")
-    configlib.validate(config)
+    job.validate(config)
     assert attention.block_options(config.model.attention)["impl"] == "pallas"
     configlib.apply_flag(config, "--config.model.attention.kind=favor")
     with pytest.raises(configlib.ConfigError, match="model.attention.impl='pallas'.*positive exponential kinds"):
-        configlib.validate(config)
+        job.validate(config)
 
 
 @pytest.mark.parametrize("family", ["decoder", "bert"])

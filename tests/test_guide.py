@@ -1,9 +1,9 @@
-"""README's "Choosing a kernel" is generated from the committed outputs it cites (favor.tools.guide)."""
+"""README's "Choosing a kernel" is generated from the committed outputs it cites (favor.repro.guide)."""
 
 import json
 import shutil
 
-from favor.tools import guide
+from favor.repro import guide
 
 CITED = ["bench/ablation-default.json", "bench/causal-ratios.json", "bench/generate.json",
          "bench/accel-nvidia-h200-segments.json", "bench/accel-nvidia-h200-segments-causal.json"] + \

@@ -164,7 +164,7 @@ def test_the_lolcats_recipe_trains_the_maps_then_the_adapters(hf_reference, docs
     config.model.attention.window_mix = "learned"
     config.uptrain.update(trainable="feature_maps", finetune="lora", transfer_steps=2, lora_rank=2, lora_alpha=4.0)
     config.total_steps, config.checkpoint_every = 4, 2
-    configlib.validate(config)
+    job.validate(config)
     summary = job.run(config, tmp_path / "run")
     params = _flat(summary.state["params"])
     source = _flat(nnx.state(models.hf.load(path), nnx.Param))
@@ -191,18 +191,18 @@ def test_lora_config_errors_name_the_key(hf_reference, tmp_path):
         config = _lora_config(path)
         config.uptrain[key] = value
         with pytest.raises(configlib.ConfigError, match=f"uptrain.{key}.*{words}"):
-            configlib.validate(config)
+            job.validate(config)
     config = _lora_config(path, transfer=0)
     config.model.init_from = ""
     with pytest.raises(configlib.ConfigError, match="uptrain.trainable.*needs model.init_from"):
-        configlib.validate(config)
+        job.validate(config)
     config = _lora_config(path, transfer=0, trainable="all", finetune="lora")
     config.model.init_from = ""
     with pytest.raises(configlib.ConfigError, match="uptrain.finetune='lora': needs model.init_from"):
-        configlib.validate(config)
+        job.validate(config)
     config = _lora_config(path, finetune="adapters")
     with pytest.raises(configlib.ConfigError, match="uptrain.finetune='adapters': must be one of 'all', 'lora'"):
-        configlib.validate(config)
+        job.validate(config)
     config = _lora_config(path, lora_targets=r"attention\.nothing$")
     with pytest.raises(configlib.ConfigError, match="uptrain.lora_targets.*select no projection.*layers.0.attention.key"):
         job.run(config, tmp_path / "none")

@@ -66,7 +66,7 @@ def test_bad_options_name_the_value():
 
 def test_runlocal_trains_through_the_causal_lm_task(tmp_path):
     config = mqar_config.get_config("runlocal")
-    configlib.validate(config)
+    job.validate(config)
     summary = job.run(config, tmp_path)
     assert summary["step"] == 30 and 0 <= summary["accuracy"] <= 1 and math.isfinite(summary["loss"])
     assert data.get(config.data).num_pairs == 4
@@ -81,7 +81,7 @@ def test_sweep_is_recall_against_state_size_and_every_item_is_a_valid_run():
         config = configlib.load(spec)
         for key, value in run.overrides.items():
             configlib.apply_flag(config, f"{key}={value}")
-        configlib.validate(config)
+        job.validate(config)
     assert runs[11].name == "kind=favor+_num_features=64_window=8_seed=0"
     with pytest.raises(ValueError, match=r"kinds: unknown 'favor\+\+\+'"):
         sweeps.load(spec + ":kinds=favor+++")

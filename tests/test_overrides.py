@@ -1,5 +1,5 @@
 """A bad value for any key a user sets fails before anything is built or compiled, with one last line that
-names the key, the value and what is allowed: checked in-process on configlib.validate for each case,
+names the key, the value and what is allowed: checked in-process on job.validate for each case,
 and through train.py itself for each kind of failure (flag type, validation, unknown key, config arg)."""
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from favor import configlib
+from favor import configlib, job
 from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, all
         node = node[part]
     node[last] = value
     with pytest.raises(configlib.ConfigError) as e:
-        configlib.validate(config)
+        job.validate(config)
     assert e.value.key == key and str(e.value).startswith(f"config.{key}={value!r}: ")
     assert allowed in str(e.value)
 
@@ -87,10 +87,10 @@ def test_init_from_must_name_a_source(tmp_path, eight_devices):
                           (f"hf:{tmp_path / 'missing'}", "is not a directory")):
         config.model.init_from = spec
         with pytest.raises(configlib.ConfigError, match="config.model.init_from=") as e:
-            configlib.validate(config)
+            job.validate(config)
         assert allowed in str(e.value)
     config.model.init_from = f"hf:{tmp_path}"
-    configlib.validate(config)
+    job.validate(config)
 
 
 # Through train.py: one case per kind of failure, run in parallel (each is a fresh process).

@@ -237,7 +237,7 @@ def test_speech_sweep_settings_are_valid_configs():
     """Every run of the full speech sweep is an override set train.py accepts (applied to the config and
     validated as a run is), giving the settings the report expects, 3 seeds each; the quick sweep is the
     tests' four runs."""
-    from favor import configlib, sweeps
+    from favor import configlib, job, sweeps
     from favor.repro import speech_kernels as sk, trained
     from favor.tools.report import RunRecord
 
@@ -250,7 +250,7 @@ def test_speech_sweep_settings_are_valid_configs():
         config = configlib.load(spec)
         for key, value in run.overrides.items():
             configlib.apply_flag(config, f"{key}={value}")
-        configlib.validate(config)
+        job.validate(config)
         assert config.total_steps == 300 and config.data.dataset == "local:hard" and config.model.conv_kernel == 1
         record = RunRecord(run.name, None, config={"model.attention.kind": config.model.attention.kind,
                                                    "model.attention.num_features": config.model.attention.num_features,
@@ -676,7 +676,7 @@ def test_linearize_sweep_settings_are_valid_configs_named_as_asked(tmp_path):
     LoLCATs' recipe with transfer only where the kind has something to transfer) and carries the label the
     report asks for; the recipes give the same number of steps."""
     import argparse
-    from favor import configlib, sweeps
+    from favor import configlib, job, sweeps, uptrain
     from favor.repro import linearize as lin
     from favor.tools.report import RunRecord
 
@@ -694,10 +694,10 @@ def test_linearize_sweep_settings_are_valid_configs_named_as_asked(tmp_path):
         configlib.apply_flag(config, f"model.init_from=run:{tmp_path / 'source'}")
         for key, value in r.overrides.items():
             configlib.apply_flag(config, f"{key}={value}")
-        configlib.validate(config)
+        job.validate(config)
         assert config.total_steps == 300, r.overrides
         # a run's flags fix its recipe whatever get_config's own defaults are: full fine-tuning has no adapters
-        assert configlib.uses_lora(config.uptrain) == (r.overrides["uptrain.finetune"] == "lora"), r.overrides
+        assert uptrain.uses_lora(config.uptrain) == (r.overrides["uptrain.finetune"] == "lora"), r.overrides
         assert lin._label(RunRecord(r.name, None, overrides=dict(r.overrides))) in p["asked"]
     recipes = {lin._label(RunRecord(r.name, None, overrides=dict(r.overrides))): r.overrides for r in runs}
     assert recipes["Hedgehog + band 8 | LoLCATs"]["uptrain.trainable"] == "feature_maps"

@@ -84,7 +84,7 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
     and every run of the sweeps that take specs (the digits ViT, the GLUE fine-tuning, the BERT pretraining)
     applies to its config and validates as train.py would, with the variant reaching the attention layer's
     options; FAVOR# without a variant keeps its own (SDERF)."""
-    from favor import attention, configlib
+    from favor import attention, configlib, job
     spec = str(ROOT / "configs/default.py") + ":seeds=1,kinds=favor+/favor#:saderf/favor#/hrf:gaussian/favor+@8"
     assert [r.overrides for r in sweeps.load(spec)] == [
         {"model.attention.kind": "favor+", "seed": 0},
@@ -99,7 +99,7 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
             config = configlib.load(config_spec)
             for key, value in run.overrides.items():
                 configlib.apply_flag(config, f"{key}={value}")
-            configlib.validate(config)
+            job.validate(config)
             options.append(attention.block_options(config.model.attention))
         kinds = [(o["kind"], o.get("variant")) for o in options]
         assert ("favor#", "saderf") in kinds, (config_spec, kinds)

@@ -149,7 +149,7 @@ def test_init_from_mismatches_and_bad_sources_are_clear_errors(softmax_run, tmp_
                           ("bert-base-uncased", "expected 'run:<workdir>'")):
         config.model.init_from = spec
         with pytest.raises(configlib.ConfigError, match="config.model.init_from=") as e:
-            configlib.validate(config)
+            job.validate(config)
         assert allowed in str(e.value)
     # a relative path (as a user types it) reads the same checkpoint: orbax needs absolute paths
     import os
@@ -213,11 +213,11 @@ def test_attention_transfer_lowers_the_attention_error_and_moves_only_the_chosen
         bad = config.copy_and_resolve_references()
         bad.uptrain[key.split(".")[1]] = value
         with pytest.raises(configlib.ConfigError, match=f"config.{key}="):
-            configlib.validate(bad)
+            job.validate(bad)
     fresh = tiny("favor+")
     fresh.uptrain.transfer_steps = 4
     with pytest.raises(configlib.ConfigError, match="needs model.init_from"):
-        configlib.validate(fresh)
+        job.validate(fresh)
 
 
 def test_sigkill_during_transfer_resumes_to_the_same_result(softmax_run, tmp_path):

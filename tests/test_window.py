@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import reference
-from favor import attention, configlib
+from favor import attention, configlib, job
 from favor.attention import window as window_lib
 from test_attention import (calibration_stats, check_gradients_against_explicit, check_prefill, context_of, key_mask,
                             make, qkv)
@@ -224,11 +224,11 @@ def test_config_override_reaches_the_layer():
     from configs import default
     config = default.get_config("runlocal")
     config.model.attention.window = 4
-    configlib.validate(config)
+    job.validate(config)
     assert attention.block_options(config.model.attention)["window"] == 4
     config.model.attention.window = -2
     with pytest.raises(configlib.ConfigError, match="model.attention.window"):
-        configlib.validate(config)
+        job.validate(config)
 
 
 # -- every linear kind takes the band; the learned (LoLCATs) mix ------------------------------------------

@@ -4,7 +4,7 @@ against softmax's key/value cache.
 
 For every prompt length P and kind, a decoder of `--preset` (random weights: speed does not depend on
 them) with max_positions P + tokens: the prefill (the prompt's causal pass, leaving the caches), then
-`--tokens` tokens one at a time (the jitted decoding step of favor.tools.generate). Figures per (P, kind):
+`--tokens` tokens one at a time (the jitted decoding step favor.tools.generate runs, favor.models.generation). Figures per (P, kind):
 prefill seconds, decoding tokens/s (batch 1; the median step), and the bytes of the caches decoding
 carries. Each round runs every kind once at a length, in a fresh random order, so a burst of load on a
 shared machine falls on all of them alike; ratios against softmax are medians of per-round ratios.
@@ -52,7 +52,7 @@ def _block(spec, num_features):
 
 def _program(spec, preset, length, tokens, num_features):
     """(prefill, step, prompt, state bytes) of a fresh decoder for `spec`, compiled and run once."""
-    from favor.tools.generate import decoding        # the tool's own programs, timed as generation runs them
+    from favor.models.generation import decoding     # the programs generation runs, timed as it runs them
     model = models.get("decoder", preset, rngs=nnx.Rngs(0), attention=_block(spec, num_features),
                        max_positions=length + tokens)
     prefill, step = decoding(model, length + tokens)

@@ -29,7 +29,7 @@ def train_steps(config_spec, kinds, rounds, seed=0, flags=()):
             configlib.apply_flag(config, flag)
         with config.unlocked():
             config.model.attention.kind = kind
-        configlib.validate(config)
+        job.validate(config)
         source, task = job.make_data(config)
         model = job.make_model(config, source)
         layout = job.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)

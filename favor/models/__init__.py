@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from favor.models import hf, lora
 from favor.models.layers import FeatureDraw, FitStatistics, logical_axes, redraw_features
-from favor.models.zoo import DTYPES, config, get, names, param_count, preset_names
+from favor.models.zoo import DTYPES, check, config, get, names, param_count, preset_names
 
-__all__ = ["DTYPES", "hf", "names", "preset_names", "config", "get", "param_count", "logical_axes",
+__all__ = ["DTYPES", "check", "hf", "names", "preset_names", "config", "get", "param_count", "logical_axes",
            "redraw_features", "FeatureDraw", "FitStatistics"]

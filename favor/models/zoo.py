@@ -11,6 +11,7 @@ from flax import nnx
 
 from favor import attention as attention_lib
 from favor import presets
+from favor.configcheck import ConfigError, is_int, is_number, one_of
 from favor.models.bert import Bert
 from favor.models.conformer import Conformer
 from favor.models.decoder import Decoder
@@ -65,3 +66,40 @@ def get(name: str, preset: str = "tiny", *, rngs: nnx.Rngs | None = None, **over
 
 def param_count(model: nnx.Module) -> int:
     return sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def check(run) -> None:
+    """`run.model` of a run's config (but `init_from`, the trainer's: favor.uptrain.check): the family, the preset, the
+    dtypes, the attention block (favor.attention.read_block: one reading of it), sizes and dropout rates,
+    and the rest as `config` builds it, which builds nothing. ConfigError naming the first bad key."""
+    m = run.model
+    for key in ("dtype", "param_dtype"):
+        if key in m:
+            one_of(run, f"model.{key}", DTYPES)
+    try:
+        kind, options, qk = attention_lib.read_block(m.attention, from_config=True)
+    except attention_lib.BlockError as e:
+        if e.key == "kind":
+            raise ConfigError("model.attention.kind", e.value, f"must be one of {', '.join(attention_lib.names())}") \
+                from None
+        raise ConfigError("model.attention" + (f".{e.key}" if e.key else ""), e.value, str(e)) from None
+    d = m.to_dict()
+    name, preset = d.pop("name", None), d.pop("preset", "tiny")
+    d.pop("init_from", None)
+    if name not in names():
+        raise ConfigError("model.name", name, f"must be one of {', '.join(names())}")
+    if preset not in preset_names(name):
+        raise ConfigError("model.preset", preset, f"must be one of {', '.join(preset_names(name))}")
+    for key, v in d.items():
+        # every integer a model takes is a size or count (hidden, heads, layers, vocab, patches, ...);
+        # a model of no layers is a baseline without attention (configs/listops.py:bag)
+        if is_int(v) and v < (0 if key == "num_layers" else 1):
+            raise ConfigError(f"model.{key}", v, "must be a non-negative integer" if key == "num_layers"
+                              else "must be a positive integer")
+        if key.endswith("dropout") and not (is_number(v) and 0 <= v < 1):
+            raise ConfigError(f"model.{key}", v, "must be in [0, 1)")
+    d["attention"] = {"kind": kind, **options, **qk}
+    try:
+        config(name, preset, **d)          # the keyword set as a model is built from it
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError("model", f"{name}/{preset}", str(e)) from None

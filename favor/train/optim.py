@@ -13,8 +13,8 @@ clipping, a weight-decay mask, and layer-wise learning-rate decay (ViT/BERT fine
     optim.accumulate_steps  microbatches per step (the trainer's scan; the update of the whole batch)
     optim.momentum      sgd only (0.9 when absent)
 
-configs build the block with favor.configlib.optim (the shared defaults); favor.configlib.validate
-checks every value's range before a run.
+configs build the block with favor.configbase.optim (the shared defaults); `check` checks every value's
+range before a run (favor.job.validate).
 """
 
 from __future__ import annotations
@@ -24,8 +24,36 @@ import re
 import jax
 import optax
 
+from favor.configbase import OPTIM_DEFAULTS, OPTIM_OPTIONAL
+from favor.configcheck import ConfigError, integer, number, one_of
+
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "sgd")
+
+
+def check(config) -> int:
+    """Every `config.optim` value in its range (ConfigError naming the first that is not); returns the
+    microbatches per step (`accumulate_steps`), which the batch checks need."""
+    o = "optim."
+    one_of(config, o + "name", OPTIMIZERS)
+    one_of(config, o + "schedule", SCHEDULES)
+    number(config, o + "lr", lambda v: v > 0, "must be a finite number > 0")
+    integer(config, o + "warmup_steps", 0)
+    number(config, o + "weight_decay", lambda v: v >= 0, "must be a finite number ≥ 0")
+    number(config, o + "clip_norm", lambda v: v >= 0, "must be a finite number ≥ 0 (0: no clipping)")
+    number(config, o + "layer_decay", lambda v: 0 < v <= 1, "must be in (0, 1] (1: off)")
+    for key in ("b1", "b2"):
+        number(config, o + key, lambda v: 0 <= v < 1, "must be in [0, 1)")
+    number(config, o + "eps", lambda v: v > 0, "must be a finite number > 0")
+    if "end_lr_factor" in config.optim:
+        number(config, o + "end_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    if "momentum" in config.optim:
+        number(config, o + "momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    unknown = sorted(set(config.optim) - set(OPTIM_DEFAULTS) - set(OPTIM_OPTIONAL))
+    if unknown:
+        raise ConfigError(o + unknown[0], config.optim[unknown[0]], f"is not an optimizer key; valid: "
+                          f"{', '.join([*OPTIM_DEFAULTS, *OPTIM_OPTIONAL])}")
+    return integer(config, o + "accumulate_steps", 1)
 
 
 def schedule(o, total_steps: int):

@@ -1,4 +1,4 @@
-"""README's "Choosing a kernel", written from favor's committed measurements: `python -m favor.tools.guide`
+"""README's "Choosing a kernel", written from favor's committed measurements: `python -m favor.repro.guide`
 rewrites the section between its markers from repro/*/<name>.json and bench/<section>.json; `--check`
 exits 1 when the README's section is not what those files give (the suite runs it, so the guide's
 numbers cannot drift from the measurements they cite).
@@ -243,7 +243,7 @@ YOURS = ("- **Your model**: `python -m favor.tools.advise --workdir <run | hf:di
 def section(root: Path = ROOT) -> str:
     rows = scratch_rows(root) + uptrain_rows(root) + causal_rows(root) + [speech_row(root)] + speed_rows(root)
     out = ["Each line is one situation, what favor measured for it and what that suggests; every figure is "
-           "read from the committed output it links (`python -m favor.tools.guide` writes this section).", "",
+           "read from the committed output it links (`python -m favor.repro.guide` writes this section).", "",
            "| situation | favor measured | so use | from |", "|---|---|---|---|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out + ["", unknown(root)])
@@ -270,7 +270,7 @@ def current(readme: Path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m favor.tools.guide", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m favor.repro.guide", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 if README's section differs from the outputs'")
     p.add_argument("--root", default=str(ROOT), help="the checkout whose outputs and README are read")
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
         if args.check:
             if current(root / "README.md") != text:
                 print("README.md: 'Choosing a kernel' is not what the committed outputs give; run "
-                      "`python -m favor.tools.guide`", file=sys.stderr)
+                      "`python -m favor.repro.guide`", file=sys.stderr)
                 return 1
             print("README.md: 'Choosing a kernel' matches the committed outputs")
             return 0

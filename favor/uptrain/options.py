@@ -1,0 +1,56 @@
+"""The uptraining keys of a run's config — `model.init_from` and the `uptrain` block — checked before a run
+builds anything, and what other modules ask of them (`uses_lora`)."""
+
+from __future__ import annotations
+
+from favor.configcheck import ConfigError, get, integer, number, regex
+from favor.uptrain.init_from import parse
+
+FINETUNE = ("all", "lora")
+
+
+def uses_lora(uptrain) -> bool:
+    """Whether a run with `uptrain` (config.uptrain) carries LoRA adapters: trainable="lora" (both stages)
+    or finetune="lora" (the training after the transfer stage)."""
+    return uptrain.get("trainable") == "lora" or uptrain.get("finetune", "all") == "lora"
+
+
+def check(config) -> None:
+    """`model.init_from` names a source (or is empty), and the `uptrain` block's values fit the run: a transfer
+    stage needs a teacher and fits in the run, LoRA needs weights to freeze, patterns compile. ConfigError
+    naming the first bad key."""
+    spec = str(config.model.get("init_from", "") or "")
+    if spec:
+        try:
+            parse(spec)
+        except ValueError as e:
+            raise ConfigError("model.init_from", spec, f"must be '' (fresh weights) or name a source: {e}") from None
+    if "uptrain" not in config:
+        return
+    integer(config, "uptrain.transfer_steps", 0)
+    steps = config.uptrain.transfer_steps
+    if steps and not spec:
+        raise ConfigError("uptrain.transfer_steps", steps, "needs model.init_from (the transfer stage's teacher "
+                                                           "is the model the run starts from); 0 without one")
+    if steps > config.total_steps:
+        raise ConfigError("uptrain.transfer_steps", steps, f"must be at most total_steps ({config.total_steps})")
+    if steps and config.model.attention.kind == "softmax":
+        raise ConfigError("uptrain.transfer_steps", steps, "a softmax model is its own teacher: 0 for attention "
+                                                           "kind softmax")
+    number(config, "uptrain.lr", lambda v: v > 0, "a positive number")
+    pattern = regex(config, "uptrain.trainable", "must be 'query_key', 'all', 'feature_maps', 'lora' or a regular "
+                                                 "expression over parameter paths")
+    finetune = get(config, "uptrain.finetune") if "finetune" in config.uptrain else "all"
+    if finetune not in FINETUNE:
+        raise ConfigError("uptrain.finetune", finetune, f"must be one of {', '.join(map(repr, FINETUNE))} (what the "
+                                                        "training after the transfer stage trains)")
+    if pattern != "lora" and finetune != "lora":
+        return
+    key, value = ("uptrain.trainable", pattern) if pattern == "lora" else ("uptrain.finetune", finetune)
+    if not spec:
+        raise ConfigError(key, value, "needs model.init_from: LoRA freezes the weights the run "
+                                      "starts from, and a model from scratch has none worth keeping")
+    integer(config, "uptrain.lora_rank", 1)
+    number(config, "uptrain.lora_alpha", lambda v: v > 0, "a positive number")
+    for key in ("uptrain.lora_targets", "uptrain.lora_also"):
+        regex(config, key, "must be a regular expression over dotted paths")
