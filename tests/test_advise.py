@@ -110,6 +110,8 @@ def test_advise_on_a_hugging_face_decoder_measures_its_decoding_state(hf_referen
     (["--workdir", "{run}", "--kinds", "favor+,nope"], "nope"),
     (["--workdir", "{run}", "--draws", "0"], "--draws 0"),
     (["--workdir", "{run}", "--oops"], "unknown arguments --oops"),
+    (["--workdir", "{run}", "--tolerance", "-1"], "--tolerance -1"),
+    (["--workdir", "hf:{tmp}/nope", "--config", "configs/default.py"], "is not a directory"),
 ])
 def test_bad_input_is_one_line_naming_it(softmax_run, tmp_path, capsys, argv, said):
     argv = [a.format(tmp=tmp_path, run=softmax_run) for a in argv]
@@ -117,3 +119,41 @@ def test_bad_input_is_one_line_naming_it(softmax_run, tmp_path, capsys, argv, sa
     err = capsys.readouterr().err
     assert err.startswith("error: ") and said in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_setting_is_its_own_block_not_the_models():
+    """The model's band, FAVOR# variant and fixed draw are the model's: a setting that names none gets none
+    of them (every column — day 0, error, cost — is built from the same block), widths go to every kind
+    that takes one, and every width meets every band."""
+    from favor.tools import inspect
+    config = tiny(**{"model.attention.kind": "favor#"})
+    config.model.attention.update(variant="saderf", window=8, redraw="fixed", num_features=16)
+    settings = advise.settings_for("favor#,relu,hedgehog", [16, 32], [0, 4], dict(config.model.attention), False)
+    labels = [s.label for s in settings]
+    assert labels == ["softmax", "favor# F=16", "favor# F=16 + band 4", "favor# F=32", "favor# F=32 + band 4",
+                      "relu", "relu + band 4", "hedgehog F=16", "hedgehog F=16 + band 4", "hedgehog F=32",
+                      "hedgehog F=32 + band 4"]
+    by = {s.label: s for s in settings}
+    sharp = advise._with_block(config, by["favor# F=32"]).model.attention
+    assert sharp.window == 0 and sharp.variant == "" and sharp.num_features == 32 and sharp.redraw == "step"
+    attn = inspect.attention_of(sharp)
+    assert attn.window == 0 and attn.options["variant"] == "sderf"          # FAVOR#'s own, not the model's
+    own = advise._with_block(config, advise.Setting("favor#:saderf", "favor#", {"variant": "saderf"}, 16, 8))
+    assert own.model.attention.redraw == "fixed"            # the model's own setting keeps its stored draw
+    soft = inspect.attention_of(advise._with_block(config, by["softmax"]).model.attention)
+    assert soft.name == "softmax" and not soft.window
+    # learned kinds carry their width in inspect's label too: two widths never share a row
+    assert inspect._build("hedgehog", 8, {"kind": "hedgehog"})[0] != inspect._build("hedgehog", 16, {"kind": "hedgehog"})[0]
+
+
+def test_costs_without_softmax_and_zero_references_still_read():
+    """Softmax's program over the memory budget: no ratios, so settings are compared by their own times and
+    the reason says why; a zero reference on a lower-is-better metric gives a difference, not a ratio."""
+    soft = _setting("softmax", [0.0], [])
+    soft.figures["seconds"] = {"fwd": None, "grad": None}
+    a = _setting("a", [0.10, 0.10], [3.0, 3.0])
+    b = _setting("b", [0.101, 0.101], [1.0, 1.0])
+    summary = advise.summarise([soft, a, b], "perplexity", 0.02, 65536, causal=False)
+    assert summary["recommendation"] == "b" and all(r["grad_ratio"] is None for r in summary["rows"])
+    assert "did not fit in half this machine's memory" in summary["reason"] and "+0.101" in summary["reason"]
+    assert "not run (memory)" in advise.table(summary)

@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 
 import reference
 from favor import attention
-from favor.attention import linear
+from favor.attention import bidirectional, causal as causal_lib, linear
 
 KINDS = attention.names()
 LINEAR = [k for k in KINDS if k != "softmax"]
@@ -224,7 +224,7 @@ def test_auto_takes_the_exact_path_outside_the_fast_paths_guarantee():
     # more than the fast path's bound, so these inputs are outside its guarantee
     lk = np.asarray(lk, np.float64)[0]                                  # [H, L, F]
     exceed = np.max(lk - lk[:, :1], axis=(1, 2))
-    assert linear._span(4, l) == l and np.all(exceed > linear.FAST_EXCEEDANCE), exceed
+    assert causal_lib._span(4, l) == l and np.all(exceed > causal_lib.FAST_EXCEEDANCE), exceed
     auto = check_against_reference(make("favor#", chunk_size=4), q, k, v, None, True, stats=stats)
     exact = make("favor#", chunk_size=4, causal_path="exact")(q, k, v, causal=True, stats=stats)
     np.testing.assert_allclose(auto, np.asarray(exact, np.float64), rtol=1e-6, atol=1e-7)
@@ -754,7 +754,7 @@ def test_causal_elementwise_kinds_with_tiny_features(kind):
 @pytest.mark.parametrize("kind,phi", [("relu", lambda u: np.maximum(u, 0.0)),
                                       ("elu", lambda u: np.where(u > 0, u + 1.0, np.exp(np.minimum(u, 0.0))))])
 def test_plain_causal_path_of_elementwise_kinds(kind, phi):
-    """linear.causal_plain (ReLU/ELU's "auto" where their features allow) against a float64 L×L form
+    """causal_lib.causal_plain (ReLU/ELU's "auto" where their features allow) against a float64 L×L form
     written here: padding (a row with no key), Lq < Lk, chunks that do not divide L, norms up to 10·√D;
     and the range check that picks it: normal features pass, features whose products underflow do not."""
     rng = np.random.default_rng(7)
@@ -766,8 +766,8 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
         mask[1] = False
         to_bhld = lambda a: jnp.asarray(np.moveaxis(a, 1, 2), jnp.float32)
         fq, fk = attn.phi(to_bhld(q)), attn.phi(to_bhld(k))
-        assert bool(linear.plain_features_safe(fq, fk, jnp.asarray(mask)))
-        out = np.moveaxis(np.asarray(linear.causal_plain(fq, fk, to_bhld(v), jnp.asarray(mask), True, c),
+        assert bool(causal_lib.plain_features_safe(fq, fk, jnp.asarray(mask)))
+        out = np.moveaxis(np.asarray(causal_lib.causal_plain(fq, fk, to_bhld(v), jnp.asarray(mask), True, c),
                                      np.float64), 1, 2)
         w = np.einsum("bihf,bjhf->bhij", phi(q), phi(k))
         seen = (np.arange(lq)[:, None] + lk - lq >= np.arange(lk)[None]) & mask[:, None, None, :]
@@ -777,8 +777,8 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6 * np.abs(ref).max(), err_msg=f"{lq} {lk} {c}")
         assert np.all(out[1] == 0)                                        # no valid key: 0
     tiny = jnp.full((1, 1, 4, 2), 1e-19)
-    assert not bool(linear.plain_features_safe(tiny, tiny))
-    assert bool(linear.plain_features_safe(jnp.ones_like(tiny), tiny, jnp.zeros((1, 4), bool)))   # keys padded
+    assert not bool(causal_lib.plain_features_safe(tiny, tiny))
+    assert bool(causal_lib.plain_features_safe(jnp.ones_like(tiny), tiny, jnp.zeros((1, 4), bool)))   # keys padded
 
 
 @pytest.mark.parametrize("kind", RF_KINDS)
@@ -843,7 +843,7 @@ def test_the_passes_inline_into_a_traced_caller_and_compile_when_eager(causal, m
     program = jax.make_jaxpr(lambda q, k, v: attn(q, k, v, causal=causal))(q, k, v)
     names = {str(e.params.get("name")) for e in program.jaxpr.eqns if e.primitive.name in ("pjit", "jit")}
     assert not names & {"bidirectional_maps", "causal_maps"}, names
-    wrapper = linear.causal_maps if causal else linear.bidirectional_maps
+    wrapper = causal_lib.causal_maps if causal else bidirectional.bidirectional_maps
     calls = []
     spy = lambda *a, jitted=wrapper.jitted, **kw: calls.append(1) or jitted(*a, **kw)
     monkeypatch.setattr(wrapper, "jitted", spy)
@@ -857,20 +857,20 @@ def test_the_passes_inline_into_a_traced_caller_and_compile_when_eager(causal, m
 
 def test_the_default_chunking_takes_whole_arrays_while_the_features_are_small():
     """chunk_size left to the pass: whole arrays (no scan) while a [B, H, L, F] feature array holds at most
-    linear.WHOLE_ARRAY_ELEMENTS elements, chunks above (traced only: shapes, no computation)."""
+    bidirectional.WHOLE_ARRAY_ELEMENTS elements, chunks above (traced only: shapes, no computation)."""
     attn = make("favor+", num_features=64, redraw="fixed")
     f = lambda q, k, v: attn(q, k, v)
 
     def program(batch, length):
         a = jax.ShapeDtypeStruct((batch, length, 2, 8), jnp.float32)
         return str(jax.make_jaxpr(f)(a, a, a))
-    rows = linear.WHOLE_ARRAY_ELEMENTS // 64          # B·H·L at the bound
+    rows = bidirectional.WHOLE_ARRAY_ELEMENTS // 64          # B·H·L at the bound
     assert "scan" not in program(1, rows // 2)        # H = 2: exactly at the bound, one sequence longer than a chunk
-    assert "scan" in program(1, rows // 2 + linear.BIDIRECTIONAL_CHUNK)
+    assert "scan" in program(1, rows // 2 + bidirectional.BIDIRECTIONAL_CHUNK)
     assert "scan" in program(4, rows // 4)            # the batch counts too
     # the per-row forms (trig, HRF) keep chunks beyond one chunk even when small
     trig = make("favor", num_features=64, redraw="fixed")
-    a = jax.ShapeDtypeStruct((1, 2 * linear.BIDIRECTIONAL_CHUNK, 2, 8), jnp.float32)
+    a = jax.ShapeDtypeStruct((1, 2 * bidirectional.BIDIRECTIONAL_CHUNK, 2, 8), jnp.float32)
     assert "scan" in str(jax.make_jaxpr(lambda q, k, v: trig(q, k, v))(a, a, a))
 
 
@@ -907,13 +907,13 @@ def test_causal_padding_rows_carry_no_scale(path):
     """Log-features far below 0 at a length that leaves padding rows in the last chunk: the padding is no
     key (−inf), so it sets no chunk's scale, and the output is the float64 causal ratio, not an underflow."""
     rng = np.random.default_rng(3)
-    b, h, l, f, dv = 1, 2, linear.EXACT_BLOCK + 5, 6, 3
+    b, h, l, f, dv = 1, 2, causal_lib.EXACT_BLOCK + 5, 6, 3
     lq = rng.normal(size=(b, h, l, f))
     lk = rng.normal(size=(b, h, l, f)) - 300.0
     v = rng.normal(size=(b, h, l, dv))
     given = lambda ctx, a: (a, None)
-    out = linear.causal_maps(given, given, None, jnp.asarray(lq, jnp.float32), jnp.asarray(lk, jnp.float32),
-                             jnp.asarray(v, jnp.float32), chunk_size=linear.EXACT_BLOCK, path=path)
+    out = causal_lib.causal_maps(given, given, None, jnp.asarray(lq, jnp.float32), jnp.asarray(lk, jnp.float32),
+                             jnp.asarray(v, jnp.float32), chunk_size=causal_lib.EXACT_BLOCK, path=path)
     w = np.einsum("bhif,bhjf->bhij", np.exp(lq), np.exp(lk + 300.0)) * np.tril(np.ones((l, l)))
     want = np.einsum("bhij,bhjd->bhid", w, v) / w.sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)

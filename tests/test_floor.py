@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from favor import attention
-from favor.attention import linear
+from favor.attention import bidirectional, causal as causal_lib, floor as floor_lib, linear
 from favor.attention.kinds import _to_bhld
 from test_attention import options_key
 
@@ -41,7 +41,7 @@ def test_the_floor_is_below_every_true_denominator(causal):
     valid = np.ones((b, lk), bool)
     valid[0, :4] = False                 # the first causal queries see no key
     valid[1, 5] = False
-    fl = linear.jensen_floor(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), jnp.asarray(v, jnp.float32),
+    fl = floor_lib.jensen_floor(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), jnp.asarray(v, jnp.float32),
                              jnp.asarray(valid), causal)
     log_floor = np.asarray(fl.log, np.float64)
     for bi in range(b):
@@ -84,14 +84,14 @@ def _passes(kind, q, k, v, mask, causal, chunk=4, **opts):
     vv = _to_bhld(v)
     fl = attn.floor(x, y, vv, mask, causal, ctx)
     if causal:
-        run = lambda f: linear.causal_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk,
+        run = lambda f: causal_lib.causal_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk,
                                            "auto", None, f)
-        sums, scale = linear.causal_sums(attn.query_map, attn.key_map, ctx, x, y, linear.ones_column(vv),
+        sums, scale = causal_lib.causal_sums(attn.query_map, attn.key_map, ctx, x, y, linear.ones_column(vv),
                                                mask, chunk, "auto", None)
     else:
-        run = lambda f: linear.bidirectional_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk, f)
+        run = lambda f: bidirectional.bidirectional_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk, f)
         sums, scale = _bidirectional_sums(attn, ctx, x, y, vv, mask)
-    low = linear.below_floor(sums, scale, fl)
+    low = floor_lib.below_floor(sums, scale, fl)
     return np.asarray(run(fl)), np.asarray(run(None)), np.asarray(low), fl, np.asarray(sums[..., -1])
 
 
@@ -234,8 +234,8 @@ def test_a_floored_row_whose_plain_ratio_overflows_has_finite_gradients():
     """A floored row with a denominator far below its numerator (num/den beyond float32's range): the
     discarded plain ratio must not turn the row's cotangent into NaN."""
     out = jnp.asarray([[100.0, 1e-37]])
-    fl = linear.Floor(log=jnp.asarray([0.0]), mean=jnp.asarray([[0.5]]), low=jnp.asarray([[0.0]]),
+    fl = floor_lib.Floor(log=jnp.asarray([0.0]), mean=jnp.asarray([[0.5]]), low=jnp.asarray([[0.0]]),
                       high=jnp.asarray([[1.0]]), log_mass=jnp.asarray([3.0]))
     scale = jnp.asarray([0.0])
-    grad = jax.grad(lambda o: jnp.sum(linear.floored_ratio(o, False, scale, fl) ** 2))(out)
+    grad = jax.grad(lambda o: jnp.sum(floor_lib.floored_ratio(o, False, scale, fl) ** 2))(out)
     assert np.all(np.isfinite(np.asarray(grad))), grad

@@ -107,7 +107,7 @@ def test_causal_invariants(kind):
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(v[:, 0]), rtol=1e-5, atol=1e-5)
 
     # each causal path alone is causal bit for bit ("auto" picks a path from the whole input, so a future
-    # token may switch it and move the past at rounding level: favor.attention.linear.causal)
+    # token may switch it and move the past at rounding level: favor.attention.causal)
     t = 6
     k2 = k.at[:, t + 1:].set(-3.0 * k[:, t + 1:])
     v2 = v.at[:, t + 1:].set(100.0)

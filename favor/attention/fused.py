@@ -13,7 +13,7 @@ chunks of `chunk` tokens (segments: see "calls" below):
   T = Σ_j exp(l_k(j) − τ)[v_j, 1] rescaled when τ grows: every key factor ≤ 1), then a pass over the
   query chunks with exp(l_q(i) + τ − β_i), β_i = max_f(l_q(i, f) + τ_f): the same stabilisers as
   favor.attention.linear's bidirectional pass, so the denominator is ≥ 1 and no relevant term underflows.
-- causal: linear.py's fast chunk form, chunk after chunk: keys referenced to the carried τ (or the first
+- causal: favor.attention.causal's fast chunk form, chunk after chunk: keys referenced to the carried τ (or the first
   valid key before any), a per-key scalar a_j = max_f(l_k(j, f) − τ_f) that weights the values by
   e^(a_j), a running α_i = max_{j ≤ i} a_j that divides, the in-chunk part a masked [c, c] product, the
   earlier chunks through the carried state. Every factor depends on its own token and the carry, so
@@ -43,14 +43,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from favor.attention import linear
+from favor.attention import causal as causal_lib, linear
 
 F32 = jnp.float32
 # where the kernels run: GPUs through Triton, CPUs in Pallas interpret mode (a TPU needs a Mosaic lowering
 # of its own, not written)
 BACKENDS = ("gpu", "cpu")
 LOW = linear.LOWEST_SCALE   # "no reference yet" / "no key": finite, so no −inf − (−inf)
-EXCEEDANCE = linear.FAST_EXCEEDANCE   # the causal chunk form's bound on a_j
+EXCEEDANCE = causal_lib.FAST_EXCEEDANCE   # the causal chunk form's bound on a_j
 CHUNK = 64                  # tokens per chunk: flash-linear-attention's size; one [64, 64] masked product
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -656,7 +656,7 @@ def prefill(xk, rk, pk, ck, v, valid=None, chunk=CHUNK, interpret=None, num_warp
             precision=None):
     """The decoding state after keys log φ_k = xk·pk + ck + rk and values v (shapes as in `attend`),
     computed by the key-state kernel: (τ [B, H, F], the per-feature key maximum, −inf where no valid key;
-    Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), linear.decode_prefill's "tau" and "sum". Not
+    Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), decoding.decode_prefill's "tau" and "sum". Not
     differentiable (a prompt's prefill)."""
     b, h, lk, _ = xk.shape
     dv, f = v.shape[-1], pk.shape[-1]

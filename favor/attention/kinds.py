@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from favor import kernels
-from favor.attention import fused, linear, schedule, window as window_lib
+from favor.attention import (bidirectional, causal as causal_lib, decoding, floor as floor_lib, fused, linear,
+                             schedule, window as window_lib)
 from favor.kernels.base import pytree_dataclass
 
 def check_qkv(q, k, v, mask, query_mask=None):
@@ -136,9 +137,9 @@ class FeatureAttention(Attention, abc.ABC):
 
     Options: chunk_size (tokens per chunk of the passes over L; None: each pass's own, the fastest
     measured: causal 64 (ReLU/ELU 128); bidirectional the whole length while the feature arrays are small,
-    else 512 (linear.WHOLE_ARRAY_ELEMENTS); ReLU/ELU's bidirectional the whole length), causal_path
-    ("auto", "fast", "exact": see favor.attention.linear.causal_maps; "auto" is exact for any input;
-    for ReLU/ELU "auto" is linear.causal_plain, their features used without log space, where their
+    else 512 (bidirectional.WHOLE_ARRAY_ELEMENTS); ReLU/ELU's bidirectional the whole length), causal_path
+    ("auto", "fast", "exact": see favor.attention.causal.causal_maps; "auto" is exact for any input;
+    for ReLU/ELU "auto" is causal_lib.causal_plain, their features used without log space, where their
     range allows) and
     causal_span (tokens per step of the causal scan, a whole number of chunks; None: 512).
 
@@ -153,11 +154,11 @@ class FeatureAttention(Attention, abc.ABC):
     positive = True
     OPTIONS = {"chunk_size": None, "causal_path": "auto", "causal_span": None, "window": 0,
                "window_mix": "shared"}
-    BIDIRECTIONAL_CHUNK = "auto"   # the bidirectional pass's default (linear.bidirectional_maps; None: whole L)
-    CAUSAL_CHUNK = linear.CAUSAL_CHUNK   # the causal pass's default chunk
+    BIDIRECTIONAL_CHUNK = "auto"   # the bidirectional pass's default (bidirectional.bidirectional_maps; None: whole L)
+    CAUSAL_CHUNK = causal_lib.CAUSAL_CHUNK   # the causal pass's default chunk
     # The fast causal path's guarantee needs every key log-feature finite (each feature's reference is
     # then reached by a real key); maps with exact zero features (ElementwiseAttention) run "auto" as
-    # linear.causal_plain on their `phi` (or "exact" outside its range).
+    # causal_lib.causal_plain on their `phi` (or "exact" outside its range).
     finite_features = True
 
     def __init__(self, **options):
@@ -171,12 +172,12 @@ class FeatureAttention(Attention, abc.ABC):
         span = options.get("causal_span")
         if span is not None and (not isinstance(span, int) or isinstance(span, bool) or span < 1):
             raise ValueError(f"{self.name}: causal_span must be a positive integer (or None: "
-                             f"{linear.CAUSAL_SPAN}); got {span!r}")
+                             f"{causal_lib.CAUSAL_SPAN}); got {span!r}")
         self.causal_span = span
         self.causal_path = options.get("causal_path", "auto")
-        if self.causal_path not in linear.PATHS:
+        if self.causal_path not in causal_lib.PATHS:
             raise ValueError(f"{self.name}: unknown causal_path {self.causal_path!r}; "
-                             f"valid: {', '.join(linear.PATHS)}")
+                             f"valid: {', '.join(causal_lib.PATHS)}")
         self.window = window_lib.check_window(self.name, options.get("window", 0))
         self.window_mix = _choice(self.name, "window_mix", options.get("window_mix", "shared"),
                                   window_lib.MIXES)
@@ -270,38 +271,38 @@ class FeatureAttention(Attention, abc.ABC):
         floor = self.floor(x, y, vv, mask, causal, ctx)
         if causal:
             if self.causal_path == "auto" and not self.finite_features:
-                # features with no exponential in them need no log space (linear.causal_plain) unless
+                # features with no exponential in them need no log space (causal_lib.causal_plain) unless
                 # some are so small (or large) that their products leave float32's normal range: then
                 # the exact log-space path. One decision for the whole input
                 fq, fk = self.plain_maps(ctx, x, y)          # made once: the check and the plain path
-                exact = lambda fq, fk, x, y, vv: linear.causal_maps(
+                exact = lambda fq, fk, x, y, vv: causal_lib.causal_maps(
                     self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.chunk_size, "exact",
                     self.causal_span)
-                plain = lambda fq, fk, x, y, vv: linear.causal_plain(fq, fk, vv, mask, self.positive,
+                plain = lambda fq, fk, x, y, vv: causal_lib.causal_plain(fq, fk, vv, mask, self.positive,
                                                                      self.chunk_size)
-                out = jax.lax.cond(linear.plain_features_safe(fq, fk, mask), plain, exact, fq, fk, x, y, vv)
+                out = jax.lax.cond(causal_lib.plain_features_safe(fq, fk, mask), plain, exact, fq, fk, x, y, vv)
             else:
-                out = linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
+                out = causal_lib.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
                                          self.chunk_size, self.causal_path, self.causal_span, floor)
         else:
-            out = linear.bidirectional_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
+            out = bidirectional.bidirectional_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
                                             self.bidirectional_chunk, floor)
         return _to_bhld(out).astype(v.dtype)
 
     def plain_maps(self, ctx, x, y):
-        """(φ_q, φ_k) themselves, not in log space: what linear.causal_plain takes for a kind without
+        """(φ_q, φ_k) themselves, not in log space: what causal_lib.causal_plain takes for a kind without
         finite_features (ReLU/ELU: `phi` elementwise)."""
         return self.phi(x), self.phi(y)
 
     def floor(self, x, y, v, mask, causal, ctx):
-        """What a sign-indefinite kind's ratio is floored by (linear.jensen_floor: the bound
+        """What a sign-indefinite kind's ratio is floored by (floor_lib.jensen_floor: the bound
         n_i·exp(x_iᵀȳ_i) over the keys query i sees, x and y the kernel's inputs, those keys' value
         statistics, and the rows' feature norms for the rounding bound); None for positive kinds, whose
         denominators need no floor."""
         if self.positive:
             return None
-        norms = linear.log_norm_bounds(*self.query_map(ctx, x)), linear.log_norm_bounds(*self.key_map(ctx, y))
-        return linear.jensen_floor(x, y, v, mask, causal, norms)
+        norms = floor_lib.log_norm_bounds(*self.query_map(ctx, x)), floor_lib.log_norm_bounds(*self.key_map(ctx, y))
+        return floor_lib.jensen_floor(x, y, v, mask, causal, norms)
 
     # -- incremental decoding ----------------------------------------------------------------------
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
@@ -312,7 +313,7 @@ class FeatureAttention(Attention, abc.ABC):
         if self.window:
             return window_lib.decode_init(batch, heads, self.feature_dim(dim), dim, dv, self.window,
                                           signed=not self.positive)
-        return linear.decode_init(batch, heads, self.feature_dim(dim), dv, None if self.positive else dim)
+        return decoding.decode_init(batch, heads, self.feature_dim(dim), dv, None if self.positive else dim)
 
     def decode_prefill(self, k, v, ctx=None, valid=None):
         """The state after keys k [B, L, H, D] and values v [B, L, H, Dv] (valid [B, L] or None), as
@@ -325,7 +326,7 @@ class FeatureAttention(Attention, abc.ABC):
             _, yb = self.band_inputs(k, k)
             return window_lib.decode_prefill(lk, sk, yb, _to_bhld(v), self.window, valid,
                                              signed=not self.positive)
-        return linear.decode_prefill(lk, sk, _to_bhld(v), valid, None if self.positive else k.shape[-1], y)
+        return decoding.decode_prefill(lk, sk, _to_bhld(v), valid, None if self.positive else k.shape[-1], y)
 
     def decode_step(self, state, q_t, k_t, v_t, ctx=None, valid=None, mix=None):
         """One token: q_t, k_t [B, 1, H, D], v_t [B, 1, H, Dv], valid [B] or None ->
@@ -339,7 +340,7 @@ class FeatureAttention(Attention, abc.ABC):
                                                 self.positive, self._log_mix(mix, q_t.shape[2]))
             return out[:, None].astype(v_t.dtype), state
         x, y = self.inputs(q_t, k_t)
-        out, state = linear.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk),
+        out, state = decoding.decode_step(state, lq[:, :, 0], first(sq), lk[:, :, 0], first(sk),
                                         _to_bhld(v_t)[:, :, 0], valid, self.positive, x[:, :, 0], y[:, :, 0])
         return out[:, None].astype(v_t.dtype), state
 
@@ -350,15 +351,15 @@ class ElementwiseAttention(FeatureAttention):
     # ReLU's exact zeros (and ELU's underflow below −87) are −inf log-features: no feature reference
     # for the fast log-space causal path is then guaranteed to be reached by a key (a query whose
     # strongest feature no key carries would lose every term to underflow). Their features have no
-    # exponential in them, so "auto" runs them as they are (linear.causal_plain, with `phi`) while
-    # every nonzero feature is in linear.PLAIN_RANGE, else the exact path; "fast" and "exact" stay the
+    # exponential in them, so "auto" runs them as they are (causal_lib.causal_plain, with `phi`) while
+    # every nonzero feature is in causal_lib.PLAIN_RANGE, else the exact path; "fast" and "exact" stay the
     # log-space paths
     finite_features = False
     # F = D features made by one elementwise op: too cheap for chunks to pay (ReLU at L = 8192 is slower
     # in chunks, forward and backward: BENCHMARKS.md, design-measurements), so the bidirectional pass
     # takes L at once
     BIDIRECTIONAL_CHUNK = None
-    # their causal pass (linear.causal_plain: F = D, so the [C, C] products cost less against the state
+    # their causal pass (causal_lib.causal_plain: F = D, so the [C, C] products cost less against the state
     # passes than for the random-feature kinds) measured fastest at C = 128 (ReLU at L = 8192: 53 ms
     # against 60 at C = 64 and 72 at C = 32)
     CAUSAL_CHUNK = 128
@@ -474,7 +475,7 @@ class HedgehogAttention(LearnedAttention):
 class T2RAttention(LearnedAttention):
     """T2R (Kasai et al., 2021): φ(x) = ReLU(x W + b) per head, one map for queries and keys. Weights
     [H, D + 1, F] (W, then b as the last row; b starts at 0). ReLU's exact zeros make its features run
-    as ReLU/ELU's do (linear.causal_plain where their range allows, else the exact log-space path)."""
+    as ReLU/ELU's do (causal_lib.causal_plain where their range allows, else the exact log-space path)."""
 
     name = "t2r"
     finite_features = False
@@ -703,7 +704,7 @@ class RandomFeatureAttention(FeatureAttention):
                                      precision=self.kernel_precision)
         if causal:
             # a key beyond its chunk's reference by more than the chunk form allows: the exact XLA pass
-            exact = lambda: linear.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, True,
+            exact = lambda: causal_lib.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, True,
                                                self.chunk_size, "auto", self.causal_span).astype(linear.F32)
             out = jax.lax.cond(jnp.any(exceeded), exact, lambda: out)
         return _to_bhld(out).astype(v.dtype)
@@ -730,14 +731,14 @@ class RandomFeatureAttention(FeatureAttention):
             return none, none
         if causal:
             zeros = jnp.zeros((*y.shape[:3], 0), jnp.float32)
-            sums, scale = linear.causal_sums(self.query_map, self.key_map, ctx, x, y, linear.ones_column(zeros),
+            sums, scale = causal_lib.causal_sums(self.query_map, self.key_map, ctx, x, y, linear.ones_column(zeros),
                                              mask, self.chunk_size, "exact", self.causal_span)
             den = sums[..., 0]
         else:
             (lq, sq), (lk, sk) = self.log_maps(q, k, ctx)
-            den, scale = linear.bidirectional_denominators(lq, sq, lk, sk, mask)
-        floor = linear.jensen_floor(x, y, jnp.zeros((*y.shape[:3], 1), jnp.float32), mask, causal)
-        return (den <= 0) & jnp.isfinite(scale), linear.below_floor(den[..., None], scale, floor)
+            den, scale = bidirectional.bidirectional_denominators(lq, sq, lk, sk, mask)
+        floor = floor_lib.jensen_floor(x, y, jnp.zeros((*y.shape[:3], 1), jnp.float32), mask, causal)
+        return (den <= 0) & jnp.isfinite(scale), floor_lib.below_floor(den[..., None], scale, floor)
 
     def decode_prefill(self, k, v, ctx=None, valid=None):
         if k.shape[1] and self.uses_fused(False, k, k):

@@ -36,8 +36,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from favor.attention import linear
-from favor.attention.linear import F32, NEG_INF, finite_or, ones_column, ratio, seq_length
+from favor.attention import causal as causal_lib, decoding, floor as floor_lib, linear
+from favor.attention.floor import ratio
+from favor.attention.linear import F32, NEG_INF, finite_or, ones_column, seq_length
 
 sg = jax.lax.stop_gradient
 MIN_BLOCK = 16            # the band's query block is max(w, MIN_BLOCK) tokens (at most L)
@@ -67,7 +68,7 @@ def _flip(a):
 
 
 def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span):
-    """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as linear.causal_sums gives them.
+    """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as causal_lib.causal_sums gives them.
     The key *inputs* move w + 1 positions later (the first w + 1 rows no key), so the causal pass makes
     the features span by span from them, as the plain causal pass does."""
     s = window + 1
@@ -75,7 +76,7 @@ def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_siz
     valid = jnp.ones((1, l), bool) if valid is None else jnp.asarray(valid, bool)
     valid = jnp.pad(valid, ((0, 0), (s, 0)))[:, :l]
     y = jax.tree.map(lambda a: _shift(a, s, 0.0), y)
-    return linear.causal_sums(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size, path, span)
+    return causal_lib.causal_sums(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size, path, span)
 
 
 def _band(x, y, v1, has_key, left, right):
@@ -147,14 +148,14 @@ def _band_part(band, log_mix):
 
 
 @linear.jit_when_eager("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path", "span")
-def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, chunk_size=linear.CAUSAL_CHUNK,
+def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, chunk_size=causal_lib.CAUSAL_CHUNK,
            path="auto", span=None, floor=None, band=None, log_mix=None):
     """[B, H, Lq, Dv]. x/y the scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), from which
     query_map(ctx, x) / key_map(ctx, y) make the log-features row by row (as in
-    favor.attention.linear.causal_maps; every key a valid mask admits has finite log-features),
+    favor.attention.causal.causal_maps; every key a valid mask admits has finite log-features),
     v [B, H, Lk, Dv], valid [B, Lk] or None. Causal: queries aligned to the last keys (Lq ≤ Lk);
     bidirectional: Lq = Lk (the band is a relation between positions of one sequence). `floor`: the
-    bound a sign-indefinite kind's denominator is raised to (linear.floored_ratio; the band's exact terms
+    bound a sign-indefinite kind's denominator is raised to (floor_lib.floored_ratio; the band's exact terms
     are part of the denominator it bounds). `band`: (x, y) the band reads where the maps' inputs are not
     the scaled queries and keys (default x, y). `log_mix`: log γ_h [H] for the learned mix (None: shared)."""
     l_q, l_k = x.shape[2], y.shape[2]
@@ -191,7 +192,7 @@ def decode_init(batch, heads, features, dim, dv, window, signed):
     scaled keys y, log-features (and signs), values and whether each slot holds a key; signed kinds also
     the key sums of the denominator's floor."""
     w1 = window + 1
-    state = {**linear.decode_init(batch, heads, features, dv, dim if signed else None),
+    state = {**decoding.decode_init(batch, heads, features, dv, dim if signed else None),
              "y": jnp.zeros((batch, heads, w1, dim), F32),
              "lk": jnp.full((batch, heads, w1, features), NEG_INF, F32),
              "v": jnp.zeros((batch, heads, w1, dv), F32),
@@ -209,9 +210,9 @@ def decode_prefill(lk, sk, y, v, window, valid=None, signed=False):
     w1 = window + 1
     key = jnp.ones((b, l), bool) if valid is None else jnp.asarray(valid, bool)
     old = max(l - w1, 0)
-    lin = linear.decode_prefill(lk[:, :, :old], None if sk is None else sk[:, :, :old], v[:, :, :old],
+    lin = decoding.decode_prefill(lk[:, :, :old], None if sk is None else sk[:, :, :old], v[:, :, :old],
                                 key[:, :old])
-    floor = linear.decode_prefill(lk, sk, v, key, y.shape[-1], y) if signed else {}
+    floor = decoding.decode_prefill(lk, sk, v, key, y.shape[-1], y) if signed else {}
     features = lin["tau"].shape[-1]
     lk = lk.astype(F32)
     if sk is not None:                 # kept per feature in the buffer, as decode_step keeps it
@@ -220,7 +221,7 @@ def decode_prefill(lk, sk, y, v, window, valid=None, signed=False):
     pad = max(w1 - l, 0)
     band = lambda a, fill: jnp.pad(a[:, :, old:], ((0, 0), (0, 0), (pad, 0)) + ((0, 0),) * (a.ndim - 3),
                                    constant_values=fill)
-    state = {**lin, **{k: floor[k] for k in linear.FLOOR_STATE if k in floor},
+    state = {**lin, **{k: floor[k] for k in decoding.FLOOR_STATE if k in floor},
              "y": band(y.astype(F32), 0.0), "lk": band(lk, NEG_INF), "v": band(v.astype(F32), 0.0),
              "key": band(jnp.broadcast_to(key[:, None, :], (b, h, l)), False)}
     if signed:
@@ -239,11 +240,11 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True, log_m
         lk = jnp.broadcast_to(lk, sk.shape)
     lk = jnp.where(key[..., None], lk, NEG_INF)
     old_lk = jnp.where(state["key"][..., 0, None], state["lk"][:, :, 0], NEG_INF)
-    lin = linear.decode_absorb({"tau": state["tau"], "sum": state["sum"]}, old_lk,
+    lin = decoding.decode_absorb({"tau": state["tau"], "sum": state["sum"]}, old_lk,
                                state["sk"][:, :, 0] if "sk" in state else None, state["v"][:, :, 0])
     push = lambda buf, new: jnp.concatenate([buf[:, :, 1:], new[:, :, None]], axis=2)
-    norms = (linear.log_norm_bounds(lq, sq), linear.log_norm_bounds(lk, sk))
-    sums, floor = linear.decode_floor(state, x, y, v, valid, norms)
+    norms = (floor_lib.log_norm_bounds(lq, sq), floor_lib.log_norm_bounds(lk, sk))
+    sums, floor = decoding.decode_floor(state, x, y, v, valid, norms)
     new = {**lin, **sums, "y": push(state["y"], y), "lk": push(state["lk"], lk), "v": push(state["v"], v),
            "key": push(state["key"], key)}
     if "sk" in state:
@@ -252,6 +253,6 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True, log_m
     m = jnp.max(scores, axis=-1)
     p = jnp.exp(scores - finite_or(sg(m))[..., None])
     band = jnp.einsum("bhw,bhwd->bhd", p, ones_column(new["v"]))
-    est = linear.decode_read(lin, lq, sq)
+    est = decoding.decode_read(lin, lq, sq)
     out, scale = combine([est, _band_part((band, m), log_mix)])
     return ratio(out, positive, scale, floor), new

@@ -66,16 +66,22 @@ def _within(settings: dict, ref: str, higher=True) -> list[str]:
 
 
 def scratch_rows(root: Path) -> list[list[str]]:
-    groups = bench(root, "ablation-default")["groups"]
-    final = {(g["settings"]["model.attention.kind"], g["settings"]["model.attention.qk_norm"]): g["final"][0]
-             for g in groups}
-    l2 = {k: v for (k, n), v in final.items() if n == "l2"}
-    others = {k: v for k, v in l2.items() if k != "softmax"}
-    lo, hi = min(others.values()), max(others.values())
-    digits = ["**Classification from scratch, short sequences** (the default job's digits ViT)",
-              f"with `qk_norm=l2` every kind {pct(lo)}–{pct(hi)} against softmax's {pct(l2['softmax'])}; trig "
-              f"and HRF without it {pct(final[('favor', '')])} and {pct(final[('hrf', '')])}",
-              "any kind; trig and HRF only with `qk_norm=l2` (favor warns without it); choose by cost",
+    runs = bench(root, "ablation-default")["rows"]
+    values = {}
+    for r in runs:
+        if r.get("final") is not None:
+            key = (r["settings"]["model.attention.kind"], r["settings"]["model.attention.qk_norm"])
+            values.setdefault(key, []).append(r["final"])
+    l2 = {k: {"values": v, "mean": statistics.fmean(v), "sd": statistics.stdev(v)}
+          for (k, n), v in values.items() if n == "l2"}
+    none = {k: statistics.fmean(v) for (k, n), v in values.items() if n == ""}
+    tied = _within(l2, "softmax")
+    below = sorted((k for k in l2 if k not in tied and k != "softmax"), key=lambda k: -l2[k]["mean"])
+    named = lambda ks: ", ".join(f"{k} {pct(l2[k]['mean'])}" for k in ks) or "none"
+    digits = ["**Classification from scratch, short sequences** (the default job's digits ViT, `qk_norm=l2`)",
+              f"softmax {pct(l2['softmax']['mean'])}; within 2 SE of it or above: {named(tied)}; below: {named(below)}; "
+              f"trig and HRF without `qk_norm` {pct(none['favor'])} and {pct(none['hrf'])}",
+              _tied_advice(l2, tied) + "; trig and HRF only with `qk_norm=l2` (favor warns without it)",
               "[ablation](#the-kernel-ablation)"]
     lo_ = repro(root, "listops-kernels")
     s = lo_["settings"]
@@ -84,7 +90,7 @@ def scratch_rows(root: Path) -> list[list[str]]:
     named = lambda ks: ", ".join(f"{k} {pct(s[k]['mean'])}" for k in ks) or "none"
     bag = _get(s, "bag of tokens (no attention)", "listops-kernels")
     listops = [f"**A task attention decides, from scratch** (ListOps, {lo_['window']} tokens)",
-               f"softmax {pct(s['softmax']['mean'])}, no attention {pct(bag['mean'])}; within 2 SE of softmax: "
+               f"softmax {pct(s['softmax']['mean'])}, no attention {pct(bag['mean'])}; within 2 SE of softmax or above: "
                f"{named(tied)}; below: {named(below)}",
                _tied_advice(s, tied),
                "[listops-kernels](repro/listops-kernels/listops-kernels.md)"]
@@ -92,8 +98,8 @@ def scratch_rows(root: Path) -> list[list[str]]:
 
 
 def _tied_advice(s: dict, tied: list[str]) -> str:
-    """The tied kinds whose seeds agree (sd ≤ 3 points), best mean first; those tied only through a wide
-    seed spread are named as such."""
+    """The tied kinds whose seeds agree (sd ≤ 3 points, a rule of this guide), best mean first; those tied
+    only through a wide seed spread are named as such."""
     steady = sorted((k for k in tied if s[k]["sd"] <= 0.03), key=lambda k: -s[k]["mean"])
     wide = [k for k in tied if k not in steady]
     text = (", ".join(steady) + " (they tie: choose by cost)") if steady else "softmax"
@@ -116,22 +122,34 @@ def uptrain_rows(root: Path) -> list[list[str]]:
         if side not in f:
             raise Missing(f"uptrain-kernels: no {side!r} side")
         settings, steps = _side(f, side)
-        mean = {k: {"day0": statistics.fmean(v["day0"]), "final": statistics.fmean(v["final"])}
-                for k, v in settings.items()}
-        soft = mean["softmax"]
-        others = {k: v for k, v in mean.items() if k != "softmax"}
-        best0 = max(others, key=lambda k: others[k]["day0"])
-        worst0 = min(others, key=lambda k: others[k]["day0"])
-        final = {k: {"values": v["final"]} for k, v in settings.items()}
+        day0 = {k: {"values": v["day0"], "mean": statistics.fmean(v["day0"]),
+                    "sd": statistics.stdev(v["day0"]) if len(v["day0"]) > 1 else 0.0} for k, v in settings.items()}
+        final = {k: {"values": v["final"], "mean": statistics.fmean(v["final"]),
+                     "sd": statistics.stdev(v["final"]) if len(v["final"]) > 1 else 0.0} for k, v in settings.items()}
+        others = [k for k in settings if k != "softmax"]
+        best0 = max(others, key=lambda k: day0[k]["mean"])
+        worst0 = min(others, key=lambda k: day0[k]["mean"])
+        serve = _within(day0, "softmax")
         tied = _within(final, "softmax")
+        if not serve:
+            serve_text = (f"no kind matches softmax at day 0 (the best, {best0}, is "
+                          f"{100 * (day0['softmax']['mean'] - day0[best0]['mean']):.1f} points below)")
+        elif len(serve) == len(others):
+            serve_text = "day 0 does not separate the kinds (all within 2 SE of softmax)"
+        else:
+            serve_text = f"to serve without training: {', '.join(serve)}"
         rows.append([what,
-                     f"day 0 (no step): {best0} {pct(others[best0]['day0'])} … {worst0} "
-                     f"{pct(others[worst0]['day0'])} against softmax's {pct(soft['day0'])}; after {steps} steps "
-                     f"within 2 SE of softmax ({pct(soft['final'])}): {', '.join(tied) or 'none'}",
-                     f"{best0} to serve without training; after {steps} steps "
-                     f"{'any of those' if tied else 'softmax keeps an edge'}",
+                     f"day 0 (no step): {best0} {pct(day0[best0]['mean'])} … {worst0} {pct(day0[worst0]['mean'])} "
+                     f"against softmax's {pct(day0['softmax']['mean'])}; after {steps} steps within 2 SE of softmax "
+                     f"({pct(final['softmax']['mean'])}) or above: {', '.join(tied) or 'none'}",
+                     f"{serve_text}; after {steps} steps: {_tied_advice(final, tied) if tied else 'softmax keeps an edge'}",
                      "[uptrain-kernels](repro/uptrain-kernels/uptrain-kernels.md)"])
     return rows
+
+
+def _band_of(label: str) -> int:
+    """The band in a setting's label ("FAVOR+ + band 8" -> 8)."""
+    return int(label.rsplit("band", 1)[1].split()[0])
 
 
 def causal_rows(root: Path) -> list[list[str]]:
@@ -150,13 +168,14 @@ def causal_rows(root: Path) -> list[list[str]]:
     rec = lambda v: f"{mean(v, 'recall'):.1f} %"
     band_ppl = sorted(mean(v, "final") for v in band.values())
     band_rec = sorted(mean(v, "recall") for v in band.values())
-    linearize = ["**Linearizing a causal LM** (a softmax decoder continued 300 steps)",
+    band_size = _band_of(next(iter(band)))
+    linearize = ["**Linearizing a causal LM** (a softmax decoder continued by full fine-tuning)",
                  f"source perplexity {source['perplexity']:.1f}, recall {pct(source['recall'])}; random-feature "
-                 f"kinds + a band of 8: {band_ppl[0]:.1f}–{band_ppl[-1]:.1f}, recall {band_rec[0]:.1f}–"
+                 f"kinds + a band of {band_size}: {band_ppl[0]:.1f}–{band_ppl[-1]:.1f}, recall {band_rec[0]:.1f}–"
                  f"{band_rec[-1]:.1f} %; the band alone {ppl(alone)} but recall {rec(alone)}; without a band the "
                  f"best is {best_free} ({ppl(unbanded[best_free])}), the best random kind {best_rf} "
                  f"({ppl(unbanded[best_rf])})",
-                 "any random-feature kind with `window=8` (`favor+@8`); without a band, Hedgehog",
+                 f"any random-feature kind with `window={band_size}` (`favor+@{band_size}`); without a band, {best_free}",
                  "[linearize](repro/linearize/linearize.md)"]
     mq = repro(root, "mqar-kernels")
     ms = mq["settings"]
@@ -164,8 +183,8 @@ def causal_rows(root: Path) -> list[list[str]]:
     state = mq["state_numbers"]
     mqar = [f"**Recall from scratch** (MQAR, {mq['pairs']} key-value pairs)",
             f"softmax {pct(ms['softmax']['mean'])}; the best linear setting, {lin_best}, "
-            f"{pct(ms[lin_best]['mean'])} with {state[lin_best]:,} state numbers against softmax's "
-            f"{state['softmax']:,}",
+            f"{pct(ms[lin_best]['mean'])} ± {100 * ms[lin_best]['sd']:.1f} (sd over seeds) with {state[lin_best]:,} "
+            f"state numbers against softmax's {state['softmax']:,}",
             "softmax (or hybrid layers) where exact recall matters: no linear kind came close",
             "[mqar-kernels](repro/mqar-kernels/mqar-kernels.md)"]
     return [linearize, mqar]
@@ -201,16 +220,32 @@ def speed_rows(root: Path) -> list[list[str]]:
                                           "favor+/pallas-bf16").items() if c}
     if not bidir or not causal:
         raise Missing("accel-nvidia-h200-segments(-causal): no pallas-bf16 forward+backward rows")
-    first = lambda d: min((n for n, r in d.items() if r < 1.0), default=None)
     k = lambda n: f"{n // 1024}K"
+
+    def crossing(d):
+        """Where the kernel starts to beat softmax: 'at or below L' when it already does at the shortest
+        length measured, else 'between A and B' (the last length it loses and the first it wins)."""
+        wins = [n for n in sorted(d) if d[n] < 1.0]
+        if not wins:
+            return None, f"slower at every length measured (up to {k(max(d))})"
+        first = wins[0]
+        losing = [n for n in sorted(d) if n < first]
+        if not losing:
+            return first, f"faster from {k(first)}, the shortest length measured"
+        return first, f"crosses over between {k(losing[-1])} ({d[losing[-1]]:.2f}× its time) and {k(first)} ({d[first]:.2f}×)"
+
+    meta = bench(root, "accel-nvidia-h200-segments")["meta"]
+    dtype = bench(root, "accel-nvidia-h200-segments")["rows"][0]["config"][0]
     top_b, top_c = max(bidir), max(causal)
-    gpu = ["**Long sequences on a GPU** (FAVOR+, H200, bf16, forward+backward)",
-           f"against cuDNN flash attention: bidirectional {bidir[min(bidir)]:.2f}× its time at {k(min(bidir))}, "
-           f"faster from {k(first(bidir))}, {1 / bidir[top_b]:.0f}× faster at {k(top_b)}; causal "
-           f"{causal[min(causal)]:.1f}× at {k(min(causal))}, faster from {k(first(causal))}, "
-           f"{1 / causal[top_c]:.1f}× at {k(top_c)}",
-           f"softmax below ~{k(first(bidir))} tokens; above, `impl=pallas-bf16`",
-           "[fused kernel](#the-fused-kernel-impl-and-speed-on-accelerators)"]
+    first_b, text_b = crossing(bidir)
+    first_c, text_c = crossing(causal)
+    use = (f"`impl=pallas-{'bf16' if dtype == 'bfloat16' else 'highest'}` at {k(first_b)} and beyond bidirectional, "
+           f"{k(first_c)} and beyond causal; softmax below the crossings" if first_b and first_c
+           else "softmax at the lengths measured")
+    gpu = [f"**Long sequences on a GPU** (FAVOR+, {meta['device']}, {dtype}, forward+backward)",
+           f"against cuDNN flash attention: bidirectional {text_b}, {1 / bidir[top_b]:.0f}× faster at {k(top_b)}; "
+           f"causal {text_c}, {1 / causal[top_c]:.1f}× faster at {k(top_c)}",
+           use, "[fused kernel](#the-fused-kernel-impl-and-speed-on-accelerators)"]
     gen = bench(root, "generate")["results"]
     longest = max(gen, key=int)
     g = gen[longest]
@@ -229,7 +264,7 @@ def unknown(root: Path) -> str:
     fwd = [r["median_ratio"] for r in rows if r["numerator"].endswith("/causal") and r["denominator"].endswith("/bidir")]
     if not fwd:
         raise Missing("causal-ratios: no causal : bidirectional forward rows")
-    return ("- **Not yet known here**: GLUE-scale fine-tuning (the BERT figures are a 2-layer model's), TPU speed "
+    return ("- **Not yet known here**: GLUE-scale fine-tuning (the BERT figures are a small model's), TPU speed "
             "(the fused kernel has no Mosaic lowering), a causal pass as cheap as the bidirectional one on CPU "
             f"({min(fwd):.1f}–{max(fwd):.1f}× forward at L = 8192, `causal-ratios`), which kind wins once a model "
             "trains for days rather than minutes.\n" + YOURS)

@@ -68,8 +68,8 @@ class Setting:
 
 
 def settings_for(kinds_text, widths, bands, run_block, causal) -> list[Setting]:
-    """The candidates: softmax (the reference), every kind of `kinds_text` at each width (random-feature
-    kinds; the others have none), and each kind at the first width with each nonzero band. Defaults:
+    """The candidates: softmax (the reference) and every kind of `kinds_text` at each width (kinds that take
+    one; the others have none) with each band (a band in a spec is that spec's only one). Defaults:
     the run's width (64 when it has none) and 4× it; bands 0 and 16 for a causal model, 0 otherwise
     (exact attention near the diagonal is what a causal LM's local dependencies need: the linearize
     reproduction)."""
@@ -85,14 +85,10 @@ def settings_for(kinds_text, widths, bands, run_block, causal) -> list[Setting]:
         if kind == "softmax":
             continue
         band_in_spec = int(options.pop("window", 0) or 0)
-        random = isinstance(attention.get(kind), attention.RandomFeatureAttention) or "num_features" in \
-            attention.get(kind).OPTIONS
-        ws = list(widths) if random else [None]
+        ws = list(widths) if "num_features" in attention.get(kind).OPTIONS else [None]
         spec = spec.split("@")[0]
-        for i, w in enumerate(ws):
+        for w in ws:
             for b in ([band_in_spec] if band_in_spec else bands):
-                if b and i:           # bands at the first width only: the band, not the width, is the question
-                    continue
                 out.append(Setting(spec, kind, dict(options), w, int(b)))
     seen, unique = set(), []
     for s in out:
@@ -105,7 +101,8 @@ def settings_for(kinds_text, widths, bands, run_block, causal) -> list[Setting]:
 
 def _with_block(config, setting: Setting):
     """A copy of `config` whose attention block is the setting's (the model's other attention options,
-    qk_norm included, kept)."""
+    qk_norm included, kept). A random-feature setting other than the model's own redraws its features
+    for each evaluation draw (a run trained with one fixed ω keeps only its own kind's)."""
     from favor import configbase
     c = config.copy_and_resolve_references()
     block = setting.block()
@@ -118,16 +115,26 @@ def _with_block(config, setting: Setting):
                 c.model.attention[key] = block.get(key, "")
         for key, value in block.items():
             c.model.attention[key] = value
+        if "redraw" in c.model.attention and _block_of(c) != _block_of(config):
+            c.model.attention["redraw"] = "step"
     return c
+
+
+def _block_of(config) -> dict:
+    """The attention block as its kind takes it (options a kind does not take dropped)."""
+    from favor import attention
+    return attention.block_options(dict(config.model.attention))
 
 
 def source_config(workdir: str, config_spec: str | None, flags):
     """(config starting from the model `workdir` names, the directory models are rebuilt in, a temporary
     directory to remove or None). A run brings its own config; a Hugging Face directory needs one."""
-    from favor import configlib, uptrain
+    from favor import configlib
     from favor.tools import inspect
     if workdir.startswith("hf:"):
-        uptrain.parse(workdir)                    # a ValueError naming the forms when it is not a directory
+        if not Path(workdir[3:]).expanduser().is_dir():
+            raise ValueError(f"--workdir {workdir}: {workdir[3:] or '(empty)'} is not a directory (hf:<dir> names a "
+                             "Hugging Face model directory with config.json)")
         if not config_spec:
             raise ValueError(f"--workdir {workdir}: a Hugging Face model needs --config, the task to evaluate "
                              "it on with the checkpoint's sizes (e.g. configs/decoder_lm.py:init=<dir>,data=local)")
@@ -150,16 +157,19 @@ def source_config(workdir: str, config_spec: str | None, flags):
     return inspect.run_config(path), path.absolute(), None
 
 
-def day0(config, workdir, settings, draws, batches, log):
-    """Each setting's evaluation metrics per draw (a list of dicts), the model rebuilt with its attention."""
+def day0(config, workdir, setting: Setting, draws, batches, log):
+    """The setting's evaluation metrics per draw (a list of dicts), the model rebuilt with its attention:
+    one evaluation for a setting whose features are not redrawn (a deterministic map, the model's own
+    fixed ω)."""
     from favor import attention
+    from favor.attention import schedule
     from favor.bench import uptrain as bench_uptrain
-    for s in settings:
-        c = _with_block(config, s)
-        random = isinstance(attention.get(s.kind), attention.RandomFeatureAttention)
-        seeds = range(draws) if random else range(1)
-        s.figures["day0"] = bench_uptrain.day0(c, workdir, seeds, batches=batches)
-        log(f"day 0: {s.label}")
+    c = _with_block(config, setting)
+    redraws = schedule.parse(attention.block_redraw(c.model.attention)).redraws
+    random = isinstance(attention.get(setting.kind), attention.RandomFeatureAttention)
+    setting.figures["day0"] = bench_uptrain.day0(c, workdir, range(draws if random and redraws else 1),
+                                                 batches=batches)
+    log(f"day 0: {setting.label}")
 
 
 def pick_metric(evaluated: dict, asked: str | None) -> str:
@@ -174,7 +184,7 @@ def pick_metric(evaluated: dict, asked: str | None) -> str:
                      "pass --metric")
 
 
-def costs(settings, run_block, shape, causal, rounds, seed, log):
+def costs(config, settings, shape, causal, rounds, seed, log):
     """Per setting {"fwd": [s per round], "grad": [...]} of one attention layer at `shape` (B, L, H, D),
     timed round-robin; a program whose planned peak memory exceeds half the machine's is left out
     (its entry says so)."""
@@ -187,7 +197,7 @@ def costs(settings, run_block, shape, causal, rounds, seed, log):
     programs, skipped = {}, {}
     budget = common.memory_budget()
     for s in settings:
-        _, attn = inspect._build(s.spec_with_band(), s.features, {**run_block, "kind": s.kind, **s.options})
+        attn = inspect.attention_of(_with_block(config, s).model.attention)
         stats = attn.statistics(q, k) if causal and getattr(attn, "data_dependent", False) else None
         for grad in (False, True):
             name = (s.label, "grad" if grad else "fwd")
@@ -247,7 +257,7 @@ def summarise(settings, metric, tolerance, length, causal) -> dict:
                      "grad_ms": None if not secs["grad"] else 1e3 * min(secs["grad"]),
                      "state_bytes": s.figures.get("state_bytes")})
     sign = 1.0 if lower else -1.0
-    rows.sort(key=lambda r: (sign * r["day0"], r["grad_ratio"] if r["grad_ratio"] is not None else math.inf))
+    rows.sort(key=lambda r: (sign * r["day0"], _cost(r)))
     soft = next(r for r in rows if r["setting"] == "softmax")
     others = [r for r in rows if r["setting"] != "softmax"]
     out = {"metric": metric, "lower_is_better": lower, "length": length, "causal": causal, "rows": rows,
@@ -264,38 +274,55 @@ def summarise(settings, metric, tolerance, length, causal) -> dict:
         return abs(r["day0"] - best["day0"]) <= tolerance * (abs(best["day0"]) if lower else 1.0) + 1e-12
 
     close = [r for r in others if tied(r)]
-    timed = [r for r in close if r["grad_ratio"] is not None]
-    pick = min(timed, key=lambda r: r["grad_ratio"]) if timed else best
+    timed = [r for r in close if r["grad_ms"] is not None]
+    pick = min(timed, key=_cost) if timed else best
     out["recommendation"] = pick["setting"]
     out["tied"] = [r["setting"] for r in close]
-    out["reason"] = reason(pick, best, soft, close, metric, lower, tolerance, length)
+    out["reason"] = reason(pick, best, soft, close, metric, lower, tolerance, length, timed=bool(timed))
     return out
 
 
-def _metric_text(value, metric):
-    return f"{100 * value:.1f} %" if metric == "accuracy" else f"{value:.4g}"
+def _cost(row) -> float:
+    """A row's forward+backward cost for choosing among settings: its ratio to softmax's, or — where
+    softmax's program did not fit in memory and no ratio exists — its own time (the same order)."""
+    if row["grad_ratio"] is not None:
+        return row["grad_ratio"]
+    return row["grad_ms"] if row["grad_ms"] is not None else math.inf
+
+
+def _metric_text(value, metric, sd=False):
+    if metric == "accuracy":
+        return f"{100 * value:.1f} %"
+    return f"{value:.2g}" if sd else f"{value:.4g}"
 
 
 def _delta_text(value, ref, metric, lower):
     if metric == "accuracy":
         return f"{100 * (value - ref):+.1f} points"
+    if ref == 0:                                   # no relative change from zero: the difference itself
+        return f"{value - ref:+.4g}"
     return f"{100 * (value / ref - 1):+.1f} %"
 
 
-def reason(pick, best, soft, close, metric, lower, tolerance, length) -> str:
+def reason(pick, best, soft, close, metric, lower, tolerance, length, timed=True) -> str:
     parts = [f"{pick['setting']}: day 0 {metric} {_metric_text(pick['day0'], metric)} against softmax's "
              f"{_metric_text(soft['day0'], metric)} ({_delta_text(pick['day0'], soft['day0'], metric, lower)})"]
     if pick["grad_ratio"] is not None:
         parts.append(f"{pick['grad_ratio']:.2g}× softmax's forward+backward time at L = {length}")
+    elif pick["grad_ms"] is not None:
+        parts.append(f"{pick['grad_ms']:.3g} ms forward+backward at L = {length}, where softmax's program did not "
+                     "fit in half this machine's memory")
     tol = f"{100 * tolerance:g} {'%' if lower else 'point'}{'' if lower or tolerance == 0.01 else 's'}"
-    if pick is best and len(close) == 1:
+    if not timed:
+        parts.append(f"the best day 0 ({len(close)} within {tol} of it; none of them could be timed)")
+    elif pick is best and len(close) == 1:
         parts.append(f"the best day 0, and no other setting within {tol} of it")
     elif pick is best:
         parts.append(f"the best day 0 and the cheapest of the {len(close)} settings within {tol} of it")
     else:
         parts.append(f"the cheapest of the {len(close)} settings within {tol} of the best day 0 "
                      f"({best['setting']}, {_metric_text(best['day0'], metric)})")
-    if pick["grad_ratio"] is not None and pick["grad_ratio"] > 1 and soft["grad_ratio"] is not None:
+    if pick["grad_ratio"] is not None and pick["grad_ratio"] > 1:
         parts.append(f"at L = {length} softmax itself is faster: linear attention pays at longer sequences "
                      "(--length L measures yours)")
     return "; ".join(parts)
@@ -309,7 +336,8 @@ def table(summary) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     soft = summary["softmax"]
     for i, r in enumerate(summary["rows"], 1):
-        day0 = _metric_text(r["day0"], metric) + (f" ± {_metric_text(r['day0_sd'], metric)}" if r["draws"] > 1 else "")
+        day0 = _metric_text(r["day0"], metric) + (f" ± {_metric_text(r['day0_sd'], metric, sd=True)}"
+                                                   if r["draws"] > 1 else "")
         delta = "–" if r is soft else _delta_text(r["day0"], soft["day0"], metric, summary["lower_is_better"])
         err = "–" if r["error_mean"] is None else f"{r['error_mean']:.3g} / {r['error_worst_layer']:.3g}"
         ratio = lambda x: "not run (memory)" if x is None else f"{x:.2f}"
@@ -329,18 +357,19 @@ def plot(summary, layer_errors, path, title):
     rows = summary["rows"]
     metric = summary["metric"]
     scale = 100.0 if metric == "accuracy" else 1.0
-    fig, axes = plt.subplots(1, 3, figsize=(17, 0.9 + 0.32 * len(rows) + 3.0), layout="constrained")
+    fig, axes = plt.subplots(1, 3, figsize=(18, 1.5 + 0.32 * len(rows) + 3.0), layout="constrained")
     ys = np.arange(len(rows))[::-1]
     names = [r["setting"] for r in rows]
     colours = ["black" if n == "softmax" else ("tab:red" if n == summary.get("recommendation") else "tab:blue")
                for n in names]
     ax = axes[0]
-    ax.barh(ys, [scale * r["day0"] for r in rows], xerr=[scale * r["day0_sd"] for r in rows], color=colours,
-            alpha=0.75, capsize=3)
+    for y, r, c in zip(ys, rows, colours):           # points, not bars: a log axis has no zero to start from
+        ax.errorbar(scale * r["day0"], y, xerr=scale * r["day0_sd"], fmt="o", color=c, ms=7, capsize=3)
     ax.axvline(scale * summary["softmax"]["day0"], color="black", ls="--", lw=1)
     ax.set_yticks(ys, names, fontsize=8)
-    ax.set_xlabel(f"day 0 {metric}{' (%)' if metric == 'accuracy' else ''} (mean ± sd over draws); dashed: softmax")
-    ax.set_title(f"What each setting inherits ({'lower' if summary['lower_is_better'] else 'higher'} is better)")
+    ax.set_xlabel(f"day 0 {metric}{' (%)' if metric == 'accuracy' else ''}, mean ± sd over draws\n(dashed: softmax)")
+    ax.set_title(f"What each setting inherits\n({'lower' if summary['lower_is_better'] else 'higher'} is better)",
+                 fontsize=10)
     if summary["lower_is_better"]:
         ax.set_xscale("log")
     ax.grid(alpha=0.3, axis="x")
@@ -350,12 +379,12 @@ def plot(summary, layer_errors, path, title):
         if err is None or r["setting"] == "softmax":
             continue
         per_layer = [sum(row) / len(row) for row in err]
-        ax.barh(y, sum(per_layer) / len(per_layer), color=c, alpha=0.75)
+        ax.plot(sum(per_layer) / len(per_layer), y, "o", color=c, ms=7)
         ax.plot(per_layer, [y] * len(per_layer), "k|", ms=10, mew=1.5)
     ax.set_yticks(ys, names, fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlabel("‖Y − Y_softmax‖ / ‖Y_softmax‖: bar the mean over layers, | each layer (mean over heads)")
-    ax.set_title("Attention error on the model's own inputs (lower is better)")
+    ax.set_xlabel("‖Y − Y_softmax‖ / ‖Y_softmax‖\n(●: mean over layers; |: each layer, mean over heads)")
+    ax.set_title("Attention error on the model's own inputs\n(lower is better)", fontsize=10)
     ax.grid(alpha=0.3, axis="x")
     ax = axes[2]
     width = 0.4
@@ -364,8 +393,8 @@ def plot(summary, layer_errors, path, title):
         ax.barh(ys + (0.5 - j) * width, vals, height=width, label=text, color=("tab:green", "tab:purple")[j], alpha=0.75)
     ax.axvline(1.0, color="black", ls="--", lw=1)
     ax.set_yticks(ys, names, fontsize=8)
-    ax.set_xlabel(f"time of one attention layer ÷ softmax's at L = {summary['length']} (dashed: softmax)")
-    ax.set_title("Cost on this machine (median of round-robin ratios)")
+    ax.set_xlabel(f"time of one attention layer ÷ softmax's, L = {summary['length']}\n(dashed: softmax)")
+    ax.set_title("Cost on this machine\n(median of round-robin ratios)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="x")
     fig.suptitle(title + (f"\nrecommended (red): {summary['recommendation']}" if summary.get("recommendation")
@@ -381,27 +410,33 @@ def advise(workdir, config_spec=None, flags=(), kinds=",".join(DEFAULT_KINDS), w
     config, rebuild_dir, scratch = source_config(workdir, config_spec, list(flags))
     try:
         causal = config.model.name == "decoder"        # favor's causal family: its layers are causal
-        run_block = dict(config.model.attention)
-        settings = settings_for(kinds, widths, bands, run_block, causal)
+        settings = settings_for(kinds, widths, bands, dict(config.model.attention), causal)
         looked = inspect.inspect(rebuild_dir, batches=batches, seed=seed, log=lambda s: None, config=config,
-                                 pairs=[(s.spec_with_band(), s.features) for s in settings])
-        for s, label in zip(settings, looked["labels"]):
-            s.figures["relative_error"] = looked["kinds"][label]["relative_error"]
-        day0(config, rebuild_dir, settings, draws, batches, log)
+                                 built=[(s.label, inspect.attention_of(_with_block(config, s).model.attention))
+                                        for s in settings])
+        for s in settings:
+            s.figures["relative_error"] = looked["kinds"][s.label]["relative_error"]
+        day0(config, rebuild_dir, settings[0], draws, batches, log)
+        metric = pick_metric(settings[0].figures["day0"][0], metric)      # a bad --metric fails before the rest
+        for s in settings[1:]:
+            day0(config, rebuild_dir, s, draws, batches, log)
     finally:
         if scratch is not None:
             import shutil
             shutil.rmtree(scratch, ignore_errors=True)
-    metric = pick_metric(settings[0].figures["day0"][0], metric)
     if tolerance is None:
         tolerance = 0.02 if metric in LOWER_IS_BETTER else 0.01
     length = int(length or looked["length"])
     shape = (1, length, looked["heads"], looked["head_dim"])
-    costs(settings, run_block, shape, looked["causal"], rounds, seed, log)
+    costs(config, settings, shape, looked["causal"], rounds, seed, log)
     if looked["causal"]:
         for s in settings:
             s.figures["state_bytes"] = state_bytes(config, s, length)
     summary = summarise(settings, metric, tolerance, length, looked["causal"])
+    limit = int(config.model.get("max_positions", 0) or 0)
+    if limit and length > limit:
+        summary["note"] = (f"L = {length} exceeds the model's max_positions ({limit}): the cost and state are a "
+                           "model of this shape's at that length, not what this checkpoint can run")
     return {"workdir": str(workdir), "config": config_spec, "metric": metric, "length": length,
             "eval_length": looked["length"], "shape": list(shape), "causal": looked["causal"], "draws": draws,
             "batches": looked["batches"], "rounds": rounds, "layers": looked["layers"], "heads": looked["heads"],
@@ -442,6 +477,8 @@ def main(argv=None):
         for flag, value in (("--draws", args.draws), ("--batches", args.batches), ("--rounds", args.rounds)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be ≥ 1")
+        if args.tolerance is not None and not args.tolerance >= 0:
+            raise ValueError(f"--tolerance {args.tolerance}: must be ≥ 0 (a fraction: 0.01 is 1 point of accuracy)")
         if args.length is not None and args.length < 1:
             raise ValueError(f"--length {args.length}: must be ≥ 1")
         widths = strings.positive_ints("--num_features", args.num_features, nonempty=False) or None
@@ -465,6 +502,8 @@ def main(argv=None):
     print(table(summary))
     if summary["recommendation"]:
         print(f"\nrecommended: {summary['reason']}")
+    if summary.get("note"):
+        print(f"note: {summary['note']}")
     layer_errors = {label: s.get("relative_error") for label, s in result["settings"].items()}
     plot(summary, layer_errors, out / "advise.png", f"{args.workdir}: which attention kind "
          f"({summary['metric']}, L = {result['length']})")

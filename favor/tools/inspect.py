@@ -12,7 +12,7 @@ values. Then, per layer and head, on those same q, k, v:
   for M iid features (a kind or coupling without a formula, or a window kind, shows —);
 - for the sign-indefinite kinds (trig, HRF), the fraction of valid query rows whose estimated denominator
   is ≤ 0 (the HRF paper's "negative fraction", its Fig. 3: rows the old guard sign-flipped) and the
-  fraction below the floor n·exp(xᵀȳ) that the layer raises them to (favor.attention.linear.floored_ratio).
+  fraction below the floor n·exp(xᵀȳ) that the layer raises them to (favor.attention.floor.floored_ratio).
 
 A kind is `kind[:variant][@window]`: `favor#:saderf`, `hrf:gaussian`, `favor+@16` (favor+ with a local
 window of 16). Options not given come from the run's attention block (coupling, ...); every random-
@@ -42,17 +42,23 @@ from favor.models.layers import SelfAttention
 DEFAULT_KINDS = ("softmax", "favor", "favor+", "favor++", "favor#")
 
 
+def attention_of(block):
+    """The attention a config's attention block builds, without the layer's qk_norm: that is already in
+    the q and k this compares kinds on (SelfAttention.project)."""
+    options, _ = qknorm.split(attention_lib.block_options(dict(block)))
+    return attention_lib.get(**options)
+
+
 def _build(spec, num_features, run_block):
-    """The attention of `spec` with M features, the run's other options, and its row label."""
+    """The attention of `spec` with M features, the run's other options, and its row label (with its width
+    for every kind that has one, random or learned)."""
     kind, opts = attention_lib.parse_spec(spec)
     block = {**dict(run_block), "kind": kind, **opts}
     if num_features is not None:
         block["num_features"] = int(num_features)
-    # the layer's own qk_norm is already in the q and k this compares kinds on (SelfAttention.project)
-    options, _ = qknorm.split(attention_lib.block_options(block))
-    attn = attention_lib.get(**options)
-    label = spec if not isinstance(attn, attention_lib.RandomFeatureAttention) else f"{spec} (F={attn.num_features})"
-    return label, attn
+    attn = attention_of(block)
+    width = getattr(attn, "num_features", None) if "num_features" in attn.OPTIONS else None
+    return (spec if width is None else f"{spec} (F={width})"), attn
 
 
 def run_config(workdir):
@@ -142,16 +148,18 @@ def pairs_of(kinds, num_features=(None,)) -> list[tuple]:
 
 
 def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=0, log=print, config=None,
-            pairs=None) -> dict:
+            built=None) -> dict:
     """Per layer and head: relative error against softmax per kind (and M), query/key norms, relative
     variance. Returns a JSON-ready dict; `log` gets one line per batch. `config`: a model to build in
-    `workdir` from its `init_from` instead of the run there (load); `pairs`: [(spec, M)] in place of
-    kinds × num_features. The result's "labels" lists each pair's row label, in order."""
+    `workdir` from its `init_from` instead of the run there (load); `built`: [(label, attention)] in place
+    of kinds × num_features (labels must differ)."""
     config, module, data, task = load(workdir, config)
     layers = _layers(module)
     run_block = dict(config.model.attention)
-    pairs = pairs_of(kinds, num_features) if pairs is None else list(pairs)
-    built = [_build(spec, m, run_block) for spec, m in pairs]
+    built = [_build(spec, m, run_block) for spec, m in pairs_of(kinds, num_features)] if built is None else built
+    labels = [label for label, _ in built]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two settings carry one label: {', '.join(labels)}")
     # the run's own kind, as it ran, on a run that keeps one draw: figures on the ω its layers store
     as_run = _build(run_block["kind"], None, run_block)[1].options
     own = {label for label, attn in built if isinstance(attn, attention_lib.RandomFeatureAttention)
@@ -209,7 +217,7 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
         raise ValueError(f"{workdir}: the evaluation split gave no batch")
     result = {"workdir": str(workdir), "batches": seen, "layers": len(layers), "heads": heads,
               "head_dim": layers[0][1].head_dim, "causal": bool(layers[0][1].causal), "length": int(length),
-              "labels": [label for label, _ in built], "own_draw": sorted(own),
+              "own_draw": sorted(own),
               "query_norm": (nq / np.maximum(count, 1)).tolist(), "key_norm": (nk / np.maximum(count, 1)).tolist(),
               "query_norm_max": mq.tolist(), "key_norm_max": mk.tolist(), "kinds": {}}
     for label, _ in built:
