@@ -20,7 +20,7 @@ initialisation, the data order and the feature draws) for `--steps` steps of `--
 (AdamW, cosine schedule, lr 1e-3) and scored by its final validation accuracy (1,000 held-out
 expressions); mean ± sd over seeds. Settings: every attention kind, trig and HRF with queries and
 keys on the sphere (qk_norm=l2, "qk l2"), as favor advises (without it they do not train: favor.job
-warns, and a run here left them at the bag of tokens' accuracy); FAVOR++ with exact softmax for
+warns, and an earlier run here left them at the bag of tokens' accuracy); FAVOR++ with exact softmax for
 keys within `--band` positions of the query (favor's window hybrid: a band of 2·band + 1 tokens);
 and the bag of tokens — the same model with no attention layer and mean pooling — which reads which
 tokens occur but not how they nest: the floor attention must clear. Claims are rated at 2 standard
@@ -29,8 +29,8 @@ passes 2 SE one way 6–9 % of the time: favor.repro.trained).
 
 Where favor differs from LRA: windows of 64–256 tokens (default 256) instead of 500–2000, 20,000
 training expressions instead of 96,000, a model 8× narrower and 3× shallower, 1,000 steps of 16
-instead of 5,000 of 32 — so that the 33 runs take about an hour on 2 CPU cores (62 minutes measured,
-the window hybrid's three runs 9 minutes each). LRA's Performer is FAVOR+ (positive softmax
+instead of 5,000 of 32 — so that the 39 runs take about an hour on 2 CPU cores (58 minutes measured,
+the window hybrid's three runs about 9 minutes each). LRA's Performer is FAVOR+ (positive softmax
 features).
 """
 
