@@ -397,6 +397,8 @@ def plot(summary, layer_errors, path, title):
     ax.set_title("Cost on this machine\n(median of round-robin ratios)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="x")
+    for ax in axes:                                  # one row per setting, at the same height in every panel
+        ax.set_ylim(-0.7, len(rows) - 0.3)
     fig.suptitle(title + (f"\nrecommended (red): {summary['recommendation']}" if summary.get("recommendation")
                           else ""), fontsize=10)
     fig.savefig(path, dpi=110)
