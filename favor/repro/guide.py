@@ -109,6 +109,12 @@ def _tied_advice(s: dict, tied: list[str]) -> str:
     return text
 
 
+def _gap_text(final: dict, others: list[str]) -> str:
+    best = max(others, key=lambda k: final[k]["mean"])
+    gap = 100 * (final["softmax"]["mean"] - final[best]["mean"])
+    return f"softmax (the best other, {best}, is {gap:.1f} points below)"
+
+
 def _side(figures: dict, side: str) -> tuple[dict, int]:
     f = _get(figures, side, "uptrain-kernels")
     return f["settings"], int(f["uptrain"]["steps"])
@@ -142,7 +148,8 @@ def uptrain_rows(root: Path) -> list[list[str]]:
                      f"day 0 (no step): {best0} {pct(day0[best0]['mean'])} … {worst0} {pct(day0[worst0]['mean'])} "
                      f"against softmax's {pct(day0['softmax']['mean'])}; after {steps} steps within 2 SE of softmax "
                      f"({pct(final['softmax']['mean'])}) or above: {', '.join(tied) or 'none'}",
-                     f"{serve_text}; after {steps} steps: {_tied_advice(final, tied) if tied else 'softmax keeps an edge'}",
+                     f"{serve_text}; after {steps} steps: " + (_tied_advice(final, tied) if tied else
+                                                             _gap_text(final, others)),
                      "[uptrain-kernels](repro/uptrain-kernels/uptrain-kernels.md)"])
     return rows
 
