@@ -1,4 +1,5 @@
-"""The string formats users type, one reader each: lists, lists of positive integers, and config specs.
+"""The string formats users type, one reader each: lists, lists of positive integers, config specs, and the
+markers of generated Markdown sections.
 
 Lists are "/"-separated in a config's arg (where "," separates the args themselves) and ","-separated on
 the command line; every reader here takes either, since no list value favor reads (kind specs, names,
@@ -43,3 +44,26 @@ def config_spec(spec) -> tuple[str, str]:
     has no arg. The arg is everything after the first ":" (a path never holds one here; args may)."""
     path, _, arg = str(spec).partition(":")
     return path, arg
+
+
+def markers(name: str) -> tuple[str, str]:
+    """The comment pair a generated section of a Markdown file sits between (BENCHMARKS.md's sections,
+    README's guide)."""
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def between(text: str, name: str) -> str | None:
+    """The body of section `name` in `text` (without its markers and surrounding newlines); None when the
+    text lacks the section."""
+    begin, end = markers(name)
+    if begin not in text or end not in text:
+        return None
+    return text[text.index(begin) + len(begin):text.index(end)].strip("\n")
+
+
+def replace_between(text: str, name: str, body: str) -> str | None:
+    """`text` with section `name`'s body replaced by `body`; None when the text lacks the section."""
+    begin, end = markers(name)
+    if begin not in text or end not in text:
+        return None
+    return text[:text.index(begin)] + f"{begin}\n{body}\n{end}" + text[text.index(end) + len(end):]

@@ -111,13 +111,14 @@ def test_advise_on_a_hugging_face_decoder_measures_its_decoding_state(hf_referen
     (["--workdir", "{run}", "--draws", "0"], "--draws 0"),
     (["--workdir", "{run}", "--oops"], "unknown arguments --oops"),
     (["--workdir", "{run}", "--tolerance", "-1"], "--tolerance -1"),
+    (["--workdir", "{run}", "--kinds", "relu", "--metric", "f2"], "--metric 'f2': the task reports accuracy"),
     (["--workdir", "hf:{tmp}/nope", "--config", "configs/default.py"], "is not a directory"),
 ])
 def test_bad_input_is_one_line_naming_it(softmax_run, tmp_path, capsys, argv, said):
     argv = [a.format(tmp=tmp_path, run=softmax_run) for a in argv]
     assert advise.main(argv + ["--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and said in err, err
+    last = capsys.readouterr().err.strip().splitlines()[-1]        # after any progress lines: one error line
+    assert last.startswith("error: ") and said in last, last
     assert not (tmp_path / "o").exists()
 
 

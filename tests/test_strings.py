@@ -73,3 +73,14 @@ def test_kind_spec_lists_read_once_everywhere():
 def test_strings_imports_no_jax():
     code = "import sys; import favor.strings; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_generated_section_is_read_and_replaced_between_its_markers_only():
+    text = "# t\n\nintro\n<!-- a:begin -->\nold a\n<!-- a:end -->\nkept\n<!-- b:begin -->\nold b\n<!-- b:end -->\n"
+    assert strings.markers("a") == ("<!-- a:begin -->", "<!-- a:end -->")
+    assert strings.between(text, "a") == "old a" and strings.between(text, "c") is None
+    new = strings.replace_between(text, "a", "new a\nline 2")
+    assert new == text.replace("old a", "new a\nline 2")                 # the rest, b included, untouched
+    assert strings.between(new, "a") == "new a\nline 2" and strings.between(new, "b") == "old b"
+    assert strings.replace_between(text, "c", "x") is None
+    assert strings.replace_between("<!-- a:begin -->\nonly a begin\n", "a", "x") is None

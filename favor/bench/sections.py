@@ -14,10 +14,7 @@ from pathlib import Path
 
 import jax
 
-
-def markers(section):
-    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
-
+from favor import strings
 
 INTRO = "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`.\n"
 
@@ -25,12 +22,13 @@ INTRO = "# Benchmarks\n\nEvery figure is measured by `python -m favor.bench ...`
 def replace_section(out_dir, section, body, at_top=False):
     """Writes `body` between the section's markers in place; a new section goes at the end, or with
     `at_top` right after the file's title and intro (before its first section)."""
-    begin, end = markers(section)
-    body = f"{begin}\n{body}\n{end}"
+    begin, end = strings.markers(section)
     md = Path(out_dir) / "BENCHMARKS.md"
     text = md.read_text() if md.exists() else INTRO
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + body + text[text.index(end) + len(end):]
+    replaced = strings.replace_between(text, section, body)
+    body = f"{begin}\n{body}\n{end}"
+    if replaced is not None:
+        text = replaced
     elif at_top:
         found = [i for i in (text.find("\n## "), text.find("\n<!-- ")) if i >= 0]
         first = min(found) + 1 if found else len(text)

@@ -14,10 +14,11 @@ import statistics
 import sys
 from pathlib import Path
 
+from favor import strings
 from favor.repro import trained
 
 ROOT = Path(__file__).resolve().parents[2]
-BEGIN, END = "<!-- choosing-a-kernel:begin -->", "<!-- choosing-a-kernel:end -->"
+SECTION = "choosing-a-kernel"           # README's markers: favor.strings.markers
 
 
 class Missing(ValueError):
@@ -52,17 +53,17 @@ def _stat(values) -> trained.Stat:
     return trained.Stat(tuple(float(v) for v in values))
 
 
-def _within(settings: dict, ref: str, higher=True) -> list[str]:
+def _figures(values) -> dict:
+    """{"values", "mean", "sd"} of a setting's seeds, as the reproductions' JSON holds them."""
+    stat = _stat(values)
+    return {"values": stat.values, "mean": stat.mean, "sd": stat.sd}
+
+
+def _within(settings: dict, ref: str) -> list[str]:
     """The settings within 2 SE of `ref` or above it (favor.repro.trained's rating)."""
     base = _stat(settings[ref]["values"])
-    out = []
-    for k, v in settings.items():
-        if k == ref:
-            continue
-        verdict, _ = trained.rate(_stat(v["values"]), base, higher_is_better=higher)
-        if verdict != "disagrees":
-            out.append(k)
-    return out
+    return [k for k, v in settings.items()
+            if k != ref and trained.rate(_stat(v["values"]), base)[0] != "disagrees"]
 
 
 def scratch_rows(root: Path) -> list[list[str]]:
@@ -72,8 +73,7 @@ def scratch_rows(root: Path) -> list[list[str]]:
         if r.get("final") is not None:
             key = (r["settings"]["model.attention.kind"], r["settings"]["model.attention.qk_norm"])
             values.setdefault(key, []).append(r["final"])
-    l2 = {k: {"values": v, "mean": statistics.fmean(v), "sd": statistics.stdev(v)}
-          for (k, n), v in values.items() if n == "l2"}
+    l2 = {k: _figures(v) for (k, n), v in values.items() if n == "l2"}
     none = {k: statistics.fmean(v) for (k, n), v in values.items() if n == ""}
     tied = _within(l2, "softmax")
     below = sorted((k for k in l2 if k not in tied and k != "softmax"), key=lambda k: -l2[k]["mean"])
@@ -128,10 +128,8 @@ def uptrain_rows(root: Path) -> list[list[str]]:
         if side not in f:
             raise Missing(f"uptrain-kernels: no {side!r} side")
         settings, steps = _side(f, side)
-        day0 = {k: {"values": v["day0"], "mean": statistics.fmean(v["day0"]),
-                    "sd": statistics.stdev(v["day0"]) if len(v["day0"]) > 1 else 0.0} for k, v in settings.items()}
-        final = {k: {"values": v["final"], "mean": statistics.fmean(v["final"]),
-                     "sd": statistics.stdev(v["final"]) if len(v["final"]) > 1 else 0.0} for k, v in settings.items()}
+        day0 = {k: _figures(v["day0"]) for k, v in settings.items()}
+        final = {k: _figures(v["final"]) for k, v in settings.items()}
         others = [k for k in settings if k != "softmax"]
         best0 = max(others, key=lambda k: day0[k]["mean"])
         worst0 = min(others, key=lambda k: day0[k]["mean"])
@@ -292,23 +290,21 @@ def section(root: Path = ROOT) -> str:
 
 
 def write(readme: Path, text: str) -> bool:
-    """Put `text` between the markers; True when the file changed."""
+    """Put `text` between the section's markers; True when the file changed."""
     old = readme.read_text()
-    if BEGIN not in old or END not in old:
-        raise Missing(f"{readme.name}: no {BEGIN} … {END} markers")
-    head, rest = old.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{text}\n{END}{tail}"
+    new = strings.replace_between(old, SECTION, text)
+    if new is None:
+        raise Missing(f"{readme.name}: no {' … '.join(strings.markers(SECTION))} markers")
     if new != old:
         readme.write_text(new)
     return new != old
 
 
 def current(readme: Path) -> str:
-    old = readme.read_text()
-    if BEGIN not in old or END not in old:
-        raise Missing(f"{readme.name}: no {BEGIN} … {END} markers")
-    return old.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    found = strings.between(readme.read_text(), SECTION)
+    if found is None:
+        raise Missing(f"{readme.name}: no {' … '.join(strings.markers(SECTION))} markers")
+    return found
 
 
 def main(argv=None) -> int:

@@ -105,18 +105,14 @@ def checkout_spec(config: str) -> str:
 def run_sweep(config: str, workdir: Path, parallel: int, extra=()) -> list:
     """Runs the sweep of `config` ("path.py:arg") in `workdir` with launch/sweep_local.py and returns its
     runs (favor.tools.report records); `extra` flags go to every run. The launcher's output goes to
-    <workdir>/sweep.log. A workdir that holds another config's sweep (or the same with other flags; the
-    same config of another checkout is the same sweep), a
+    <workdir>/sweep.log. A workdir that holds another config's sweep (or the same with other flags), a
     launcher that fails before any run starts, or a run that fails or stops is a SweepError naming it: a
     reproduction never rates a partial or mixed sweep (rerunning the same command resumes it)."""
     workdir = Path(workdir)
     listing = workdir / "sweep.json"
     if listing.exists():
         previous = json.loads(listing.read_text())
-        # the same config of another checkout (the sweep moved, or rendered from a second clone) is the same
-        # sweep: configs are compared as run from a checkout's root
-        same = previous.get("config") and checkout_spec(previous["config"]) == checkout_spec(config)
-        if not same or previous.get("extra", []) != list(extra):
+        if previous.get("config") != config or previous.get("extra", []) != list(extra):
             was = " ".join([str(previous.get("config")), *previous.get("extra", [])])
             raise SweepError(f"{workdir} holds the sweep of another config ({was}); this one is "
                              f"{' '.join([config, *extra])}: give another --workdir, or remove that one")

@@ -38,7 +38,6 @@ from pathlib import Path
 
 DEFAULT_KINDS = ("favor+", "favor++", "favor#", "simrf", "relu", "elu")
 DEFAULT_BAND = 16                       # a causal model's candidates also try exact softmax over this band
-LOWER_IS_BETTER = ("loss", "perplexity", "wer", "cer")
 METRICS = ("wer", "perplexity", "accuracy", "loss")    # the first the task reports is ranked on (an LM: perplexity)
 
 
@@ -238,7 +237,8 @@ def _stat(values):
 
 def summarise(settings, metric, tolerance, length, causal) -> dict:
     """The ranked rows and the recommendation, from the settings' measured figures only."""
-    lower = metric in LOWER_IS_BETTER
+    from favor.tools.report import lower_is_better
+    lower = lower_is_better(metric)
     ref = settings[0]
     assert ref.kind == "softmax"
     rows = []
@@ -409,17 +409,18 @@ def advise(workdir, config_spec=None, flags=(), kinds=",".join(DEFAULT_KINDS), w
            draws=3, batches=4, rounds=5, seed=0, metric=None, tolerance=None, log=print) -> dict:
     """Every figure of the advice (what advise.json holds)."""
     from favor.tools import inspect
+    from favor.tools.report import lower_is_better
     config, rebuild_dir, scratch = source_config(workdir, config_spec, list(flags))
     try:
         causal = config.model.name == "decoder"        # favor's causal family: its layers are causal
         settings = settings_for(kinds, widths, bands, dict(config.model.attention), causal)
+        day0(config, rebuild_dir, settings[0], draws, batches, log)
+        metric = pick_metric(settings[0].figures["day0"][0], metric)      # a bad --metric fails before the rest
         looked = inspect.inspect(rebuild_dir, batches=batches, seed=seed, log=lambda s: None, config=config,
                                  built=[(s.label, inspect.attention_of(_with_block(config, s).model.attention))
                                         for s in settings])
         for s in settings:
             s.figures["relative_error"] = looked["kinds"][s.label]["relative_error"]
-        day0(config, rebuild_dir, settings[0], draws, batches, log)
-        metric = pick_metric(settings[0].figures["day0"][0], metric)      # a bad --metric fails before the rest
         for s in settings[1:]:
             day0(config, rebuild_dir, s, draws, batches, log)
     finally:
@@ -427,7 +428,7 @@ def advise(workdir, config_spec=None, flags=(), kinds=",".join(DEFAULT_KINDS), w
             import shutil
             shutil.rmtree(scratch, ignore_errors=True)
     if tolerance is None:
-        tolerance = 0.02 if metric in LOWER_IS_BETTER else 0.01
+        tolerance = 0.02 if lower_is_better(metric) else 0.01
     length = int(length or looked["length"])
     shape = (1, length, looked["heads"], looked["head_dim"])
     costs(config, settings, shape, looked["causal"], rounds, seed, log)
