@@ -11,6 +11,7 @@ fails or does not reproduce the fingerprint is skipped with a warning and rename
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from pathlib import Path
 
@@ -37,6 +38,31 @@ class _ItemMetadataNoise(logging.Filter):
 
 ITEM_METADATA_FILTER = _ItemMetadataNoise()
 logging.getLogger("absl").addFilter(ITEM_METADATA_FILTER)
+
+
+def _late_read_noise(unraisable) -> bool:
+    """Whether an unraisable exception is a tensorstore read finishing after orbax closed its loop.
+
+    orbax runs a restore's reads on a fresh event loop and closes it as soon as one read fails; the
+    other reads of a damaged step are still in flight in tensorstore's threads, and each one that ends
+    afterwards fails to hand its result to the closed loop: dozens of "Exception ignored ... Event loop
+    is closed" tracebacks on stderr, later and from no frame of ours (the object is None). They are
+    results nobody waits for, so exactly those are dropped; every other unraisable reaches the hook."""
+    e = unraisable.exc_value
+    return unraisable.object is None and isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def _quiet_late_reads():
+    """Puts the filter in front of whatever unraisable hook is installed now (once per hook)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_late_reads", False):
+        return
+
+    def hook(unraisable):
+        if not _late_read_noise(unraisable):
+            previous(unraisable)
+    hook.drops_late_reads = True
+    sys.unraisablehook = hook
 
 
 @jax.jit
@@ -73,6 +99,7 @@ class Checkpointer:
 
     def restore_latest(self, abstract_state):
         """(state, meta, step) of the newest whole checkpoint, or None when there is none."""
+        _quiet_late_reads()    # before the first read: a failed one's stragglers may end at any time
         for step in reversed(self.steps()):
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(

@@ -8,7 +8,8 @@ their features to running statistics with independent eigh/inv calls, hung at it
 try on this 2-core machine (all XLA threads parked, no CPU used), and ran with the scheduler off.
 `cpu_scheduler()` turns it off through XLA_FLAGS when favor is imported (before JAX starts its CPU
 backend), unless the flag is already set; it measured 2-5 % slower steps on the decoders it was tried
-on. CPU only: the flag does not touch accelerators.
+on, and about a fifth slower for FAVOR+'s causal forward and backward pass at L = 8192 (BENCHMARKS.md,
+cpu-scheduler-on/off). CPU only: the flag does not touch accelerators.
 
 XLA:CPU allocates each program's outputs and temporaries afresh on every call. glibc's malloc hands
 blocks of 32 MiB and more straight to mmap and returns them with munmap on free, so every call of a

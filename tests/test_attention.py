@@ -376,6 +376,26 @@ def test_causal_outputs_never_depend_on_the_future(kind, dtype):
                                               err_msg=f"{path} t={t}")
 
 
+PLAIN_KINDS = [k for k in LINEAR if not attention.get(k).finite_features]
+
+
+@pytest.mark.parametrize("kind", PLAIN_KINDS)
+def test_the_plain_causal_pass_never_reads_the_future(kind):
+    """The same for "auto" of the kinds whose features have no exponential (ReLU, ELU, the learned maps):
+    their plain pass (causal_lib.causal_plain) while the features stay in range, chunk states summed one
+    chunk after another; a chunk of 4 puts t = 6 inside the second chunk."""
+    q, k, v = qkv()
+    rng = jax.random.PRNGKey(0)
+    attn, program = grads_program(kind, True, chunk_size=4)
+    for t, seed, scale in FUTURE_CASES:
+        weights = (jnp.arange(9) < t)[None, :, None, None].astype(jnp.float32)
+        q2, k2, v2 = (_perturb(a, t, seed + i, scale) for i, a in enumerate((q, k, v)))
+        (o1, g1), (o2, g2) = (program(*a, None, rng, None, 0.0, weights) for a in ((q, k, v), (q2, k2, v2)))
+        np.testing.assert_array_equal(np.asarray(o1[:, :t]), np.asarray(o2[:, :t]), err_msg=f"t={t}")
+        for a, b in zip(g1, g2):
+            np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(b[:, :t]), err_msg=f"t={t}")
+
+
 @pytest.mark.parametrize("causal,dtype", [(False, jnp.float32), (True, jnp.float32), (False, jnp.bfloat16)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_padded_keys_change_neither_outputs_nor_gradients(kind, dtype, causal):
@@ -749,6 +769,17 @@ def test_causal_elementwise_kinds_with_tiny_features(kind):
     out = make(kind, chunk_size=2)(q, k, v, causal=True)
     ref, _ = reference.attention(make(kind), q, k, v, None, None, True)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
+    # the plain pass runs beside the exact one and its result is dropped: its gradient must not poison
+    # the exact path's (0·inf), so "auto" has the exact path's gradients here
+    w = jnp.linspace(-1.0, 1.0, l).reshape(1, l, 1, 1)
+    # (and features of 1e25, whose products overflow float32 on the plain pass)
+    for q, k in ((q, k), (q * 1e25 + 1e25, k * 1e25 + 1e25)):
+        grads = {path: jax.grad(lambda q, k, v: jnp.sum(w * make(kind, chunk_size=2, causal_path=path)(
+            q, k, v, causal=True)), (0, 1, 2))(q, k, v) for path in ("auto", "exact")}
+        largest = max(float(np.abs(np.asarray(b)).max()) for b in grads["exact"])
+        for a, b in zip(grads["auto"], grads["exact"]):
+            assert np.all(np.isfinite(np.asarray(a)))
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * largest)
 
 
 @pytest.mark.parametrize("kind,phi", [("relu", lambda u: np.maximum(u, 0.0)),
@@ -779,6 +810,18 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
     tiny = jnp.full((1, 1, 4, 2), 1e-19)
     assert not bool(causal_lib.plain_features_safe(tiny, tiny))
     assert bool(causal_lib.plain_features_safe(jnp.ones_like(tiny), tiny, jnp.zeros((1, 4), bool)))   # keys padded
+
+
+def test_elu_features_keep_their_relative_precision_far_below_zero():
+    """φ(u) = elu(u) + 1 is exp(u) below 0: formed as expm1(u) + 1 it rounded features below e^-17 to
+    multiples of 2^-24, a 1e-3 error in the outputs of queries near −20; and its gradient is finite
+    where the exponential of the other branch would overflow."""
+    u = np.linspace(-40.0, 5.0, 451).astype(np.float32).astype(np.float64)     # the inputs float32 holds
+    phi = np.asarray(make("elu").phi(jnp.asarray(u, jnp.float32)), np.float64)
+    ref = np.where(u > 0, u + 1.0, np.exp(np.minimum(u, 0.0)))
+    np.testing.assert_allclose(phi, ref, rtol=1e-6)
+    grad = jax.vmap(jax.grad(make("elu").phi))(jnp.asarray([-50.0, -1.0, 0.5, 200.0]))
+    np.testing.assert_allclose(np.asarray(grad), [np.exp(-50.0), np.exp(-1.0), 1.0, 1.0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", RF_KINDS)

@@ -25,7 +25,12 @@ def ratio(out, positive, scale=None, floor=None):
     cannot go below is raised to it (`floored_ratio`)."""
     if floor is not None:
         return floored_ratio(out, positive, scale, floor)
-    return _divide(out[..., :-1], guard(out[..., -1], positive))
+    return divide(out[..., :-1], out[..., -1], positive)
+
+
+def divide(num, den, positive):
+    """num [.., Dv] / den [..] for a pass that keeps them apart (no floor): `ratio`'s plain case."""
+    return _divide(num, guard(den, positive))
 
 
 @pytree_dataclass
