@@ -773,9 +773,10 @@ def test_causal_elementwise_kinds_with_tiny_features(kind):
     # the exact path's (0·inf), so "auto" has the exact path's gradients here
     w = jnp.linspace(-1.0, 1.0, l).reshape(1, l, 1, 1)
     # (and features of 1e25, whose products overflow float32 on the plain pass)
+    grad = {path: jax.jit(jax.grad(lambda q, k, v, attn=make(kind, chunk_size=2, causal_path=path): jnp.sum(
+        w * attn(q, k, v, causal=True)), (0, 1, 2))) for path in ("auto", "exact")}
     for q, k in ((q, k), (q * 1e25 + 1e25, k * 1e25 + 1e25)):
-        grads = {path: jax.grad(lambda q, k, v: jnp.sum(w * make(kind, chunk_size=2, causal_path=path)(
-            q, k, v, causal=True)), (0, 1, 2))(q, k, v) for path in ("auto", "exact")}
+        grads = {path: g(q, k, v) for path, g in grad.items()}
         largest = max(float(np.abs(np.asarray(b)).max()) for b in grads["exact"])
         for a, b in zip(grads["auto"], grads["exact"]):
             assert np.all(np.isfinite(np.asarray(a)))
@@ -813,9 +814,9 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
 
 
 def test_elu_features_keep_their_relative_precision_far_below_zero():
-    """φ(u) = elu(u) + 1 is exp(u) below 0: formed as expm1(u) + 1 it rounded features below e^-17 to
-    multiples of 2^-24, a 1e-3 error in the outputs of queries near −20; and its gradient is finite
-    where the exponential of the other branch would overflow."""
+    """φ(u) = elu(u) + 1 is exp(u) below 0, to float32's relative precision (expm1(u) + 1 would round
+    features below e^-17 to multiples of 2^-24: a 1e-3 error in the outputs of queries near −20); and
+    its gradient is finite where the exponential of the other branch would overflow."""
     u = np.linspace(-40.0, 5.0, 451).astype(np.float32).astype(np.float64)     # the inputs float32 holds
     phi = np.asarray(make("elu").phi(jnp.asarray(u, jnp.float32)), np.float64)
     ref = np.where(u > 0, u + 1.0, np.exp(np.minimum(u, 0.0)))
