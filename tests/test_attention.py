@@ -357,11 +357,14 @@ def test_causal_outputs_never_depend_on_the_future(kind, dtype):
     """Changing every token ≥ t (queries, keys, values; up to norms far beyond the rest) leaves the
     outputs and the gradients at positions < t bit for bit unchanged, on each causal path alone (the
     stabilisers are causal; "auto" chooses between the two on the whole input, so it is covered by the
-    reference tests). bf16 changes only the inputs' rounding (features are float32): one path. No mask:
-    a causal language model's call, whose code paths differ from the masked ones."""
+    reference tests), and for the kinds whose features have no exponential (ReLU, ELU, the learned maps)
+    on "auto" too, which is their plain pass while the features stay in range (causal_lib.causal_plain;
+    chunks of 4 put t = 6 inside the second). bf16 changes only the inputs' rounding (features are float32): one
+    path. No mask: a causal language model's call, whose code paths differ from the masked ones."""
     q, k, v = qkv(dtype=dtype)
     rng = jax.random.PRNGKey(0)
-    for path in ("fast", "exact") if dtype == jnp.float32 else ("exact",):
+    plain = () if attention.get(kind).finite_features else ("auto",)
+    for path in ("fast", "exact", *plain) if dtype == jnp.float32 else ("exact",):
         attn, program = grads_program(kind, True, chunk_size=4, causal_path=path)
         stats = calibration_stats(attn, 8)
         for t, seed, scale in FUTURE_CASES:
@@ -374,26 +377,6 @@ def test_causal_outputs_never_depend_on_the_future(kind, dtype):
             for a, b in zip(g1, g2):
                 np.testing.assert_array_equal(np.asarray(a[:, :t], np.float32), np.asarray(b[:, :t], np.float32),
                                               err_msg=f"{path} t={t}")
-
-
-PLAIN_KINDS = [k for k in LINEAR if not attention.get(k).finite_features]
-
-
-@pytest.mark.parametrize("kind", PLAIN_KINDS)
-def test_the_plain_causal_pass_never_reads_the_future(kind):
-    """The same for "auto" of the kinds whose features have no exponential (ReLU, ELU, the learned maps):
-    their plain pass (causal_lib.causal_plain) while the features stay in range, chunk states summed one
-    chunk after another; a chunk of 4 puts t = 6 inside the second chunk."""
-    q, k, v = qkv()
-    rng = jax.random.PRNGKey(0)
-    attn, program = grads_program(kind, True, chunk_size=4)
-    for t, seed, scale in FUTURE_CASES:
-        weights = (jnp.arange(9) < t)[None, :, None, None].astype(jnp.float32)
-        q2, k2, v2 = (_perturb(a, t, seed + i, scale) for i, a in enumerate((q, k, v)))
-        (o1, g1), (o2, g2) = (program(*a, None, rng, None, 0.0, weights) for a in ((q, k, v), (q2, k2, v2)))
-        np.testing.assert_array_equal(np.asarray(o1[:, :t]), np.asarray(o2[:, :t]), err_msg=f"t={t}")
-        for a, b in zip(g1, g2):
-            np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(b[:, :t]), err_msg=f"t={t}")
 
 
 @pytest.mark.parametrize("causal,dtype", [(False, jnp.float32), (True, jnp.float32), (False, jnp.bfloat16)])
