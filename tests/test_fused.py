@@ -292,6 +292,11 @@ def test_auto_follows_the_measured_table(monkeypatch):
     assert not attention.get("favor+", num_features=32, window=2).uses_fused(False, q, k)
     np.testing.assert_allclose(np.asarray(auto(q, k, v)), np.asarray(
         attention.get("favor+", num_features=32, redraw="fixed", impl="pallas")(q, k, v)), rtol=0, atol=0)
+    monkeypatch.setitem(kinds.AUTO_FUSED, jax.default_backend(), {"causal": 16})
+    assert auto.uses_fused(True, q, k) and not auto.uses_fused(False, q, k)
+    assert not auto.uses_fused(True, q[:, :8], k[:, :8])
+    np.testing.assert_allclose(np.asarray(auto(q, k, v, causal=True)), np.asarray(
+        attention.get("favor+", num_features=32, redraw="fixed", impl="pallas")(q, k, v, causal=True)), rtol=0, atol=0)
 
 
 def test_softmax_impl_option():
@@ -528,10 +533,32 @@ def test_kernels_lower_for_gpus(causal):
     x = jnp.asarray(rng.standard_normal((b, h, l, d)), jnp.bfloat16)
     r, v = jnp.zeros((b, h, l)), jnp.asarray(rng.standard_normal((b, h, l, dv)), jnp.float32)
     p, c = jnp.asarray(rng.standard_normal((h, d, f)), jnp.float32), jnp.zeros((h, f))
-    for segments in (1, 2):
+    # each precision is cut and launched its own way (fused.TUNING): its tile shapes lower separately
+    for precision, segments in [(prec, 2) for prec in fused.PRECISIONS] + [(fused.PRECISION, 1)]:
         loss = lambda xq, xk, v: jnp.sum(fused.attend(xq, r, p, c, xk, r, p, c, v, jnp.ones((b, l), bool), causal,
-                                                      interpret=False, segments=segments)[0])
+                                                      interpret=False, segments=segments, precision=precision)[0])
         text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, x, v).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text.lower()
-    jax.jit(lambda xk, v: fused.prefill(xk, r, p, c, v, None, interpret=False)).trace(x, v).lower(
-        lowering_platforms=("cuda",))
+    for precision in fused.PRECISIONS:
+        jax.jit(lambda xk, v: fused.prefill(xk, r, p, c, v, None, interpret=False, precision=precision)).trace(
+            x, v).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_calls_are_cut_as_the_tuning_table_says(causal):
+    """Each (mode, precision) of fused.TUNING cuts a call into its feature blocks and chunks (the grid's
+    third axis; a causal call's per-chunk references [B, H, L / chunk, F']), in shapes Triton's products
+    take (powers of two from 16)."""
+    b, h, l, d, f = 1, 2, 256, 16, 96
+    x, r, v = jnp.ones((b, h, l, d)), jnp.zeros((b, h, l)), jnp.ones((b, h, l, 16))
+    p, c = jnp.ones((h, d, f)), jnp.zeros((h, f))
+    for precision in fused.PRECISIONS:
+        chunk, block, warps, stages = fused.tuning(causal, precision)
+        assert all(n >= 16 and n & (n - 1) == 0 for n in (chunk, block)) and warps in (1, 2, 4, 8) and stages >= 1
+        text = str(jax.make_jaxpr(lambda x: fused.attend(x, r, p, c, x, r, p, c, v, None, causal,
+                                                         precision=precision, segments=1))(x))
+        width = -(-f // block) * block                  # 96 features: 2 blocks of 64, or 3 of 32
+        assert f"grid=(1, 2, {width // block}, 1)" in text
+        if causal:
+            assert f"f32[1,2,{l // chunk},{width}]" in text
+    assert set(fused.TUNING) <= {(m, p) for m in ("causal", "bidirectional") for p in fused.PRECISIONS}

@@ -51,7 +51,6 @@ F32 = jnp.float32
 BACKENDS = ("gpu", "cpu")
 LOW = linear.LOWEST_SCALE   # "no reference yet" / "no key": finite, so no −inf − (−inf)
 EXCEEDANCE = causal_lib.FAST_EXCEEDANCE   # the causal chunk form's bound on a_j
-CHUNK = 64                  # tokens per chunk: flash-linear-attention's size; one [64, 64] masked product
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -345,7 +344,7 @@ def _bidir_dk_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, ug
 
 
 # -- calls -----------------------------------------------------------------------------------------
-# Programs: one per (batch, head, block of FEATURE_BLOCK features, segment of the sequence). The features
+# Programs: one per (batch, head, block of features (TUNING), segment of the sequence). The features
 # are independent given the row's normaliser, so each block runs the passes above over its own features
 # with its own stabilisers; the forward pass combines the blocks' normalised outputs by their log-
 # denominators (a log-sum-exp, `_combine`), and the backward pass reads the combined normaliser and
@@ -358,9 +357,27 @@ def _bidir_dk_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, ug
 # T_s, z_s) in parallel, a few small XLA ops combine them into the state that enters each segment (the
 # earlier segments' for causal, all for bidirectional), and the main pass runs every segment from its
 # entering state. The backward pass does the same for the query sums U of the key gradients.
-FEATURE_BLOCK = 64
 SEGMENT_PROGRAMS = 512     # about four programs per streaming multiprocessor of an H100/H200 (132)
 MAX_SEGMENTS = 64          # bounds the [S, S] combination below
+
+# How each call is cut and launched: (mode, precision) -> (tokens per chunk, features per block, warps per
+# program, Triton's software-pipelining stages). Measured on an H200 (BENCHMARKS.md, after the section
+# accel-nvidia-h200-tuned-causal: the kernels alone, forward+backward, L = 4K and 32K, bf16 inputs, 16
+# heads, F = 256). The causal kernels hold many [chunk, block] tiles at once (the key backward ten
+# products a chunk): chunks of 64 ran 1.5× slower than chunks of 32 with bf16 products, and with tf32x3,
+# whose split operands double the live tiles, chunks of 32 and blocks of 32 features ran 2.1× faster than
+# 64 and 64; two pipelining stages took another 9–10 % off with bf16. The bidirectional kernels hold few
+# tiles and were fastest with chunks of 64 (32 and 16: 4–43 % slower). 8 warps and blocks of 128 features
+# were slower everywhere. Interpret mode (CPU) cuts calls the same way, so the tests run the shapes a GPU
+# does. "highest" (IEEE float32 products, 22× slower) keeps the untuned DEFAULT_TUNING.
+TUNING = {("causal", "bf16"): (32, 64, 4, 2), ("causal", "tf32x3"): (32, 32, 4, 1),
+          ("bidirectional", "bf16"): (64, 64, 4, 2), ("bidirectional", "tf32x3"): (64, 64, 4, 1)}
+DEFAULT_TUNING = (64, 64, 4, 1)
+
+
+def tuning(causal, precision):
+    """(chunk, feature block, warps, stages) of a call: TUNING's entry for the mode and precision."""
+    return TUNING.get(("causal" if causal else "bidirectional", precision), DEFAULT_TUNING)
 
 
 def _segments(n, programs, want=None):
@@ -401,16 +418,16 @@ def _spec(kind, shape, fb, seg, bcast=(False, False)):
     raise ValueError(kind)
 
 
-def _compiler(interpret, num_warps):
+def _compiler(interpret, launch):
     if interpret:
         return {}
     from jax.experimental.pallas import triton as plgpu
-    return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
+    return {"compiler_params": plgpu.CompilerParams(num_warps=launch[0], num_stages=launch[1])}
 
 
-def _call(kernel, inputs, outs, grid, fb, interpret, num_warps, precision, **static):
+def _call(kernel, inputs, outs, grid, fb, interpret, launch, precision, **static):
     """pallas_call of kernel(**static) over grid (B, H, G, S); inputs [(array, kind)], outs [(shape, kind)]
-    (float32); the kernel's products at `precision` (PRECISIONS)."""
+    (float32); the kernel's products at `precision` (PRECISIONS); launch (warps, pipelining stages)."""
     b, h = grid[:2]
     bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
     in_specs = [_spec(k, a.shape, fb, grid[3], bc(a) if k in ("proj", "const") else (False, False))
@@ -420,7 +437,7 @@ def _call(kernel, inputs, outs, grid, fb, interpret, num_warps, precision, **sta
         return pl.pallas_call(
             functools.partial(kernel, **static), out_shape=[jax.ShapeDtypeStruct(s, F32) for s, _ in outs],
             grid=grid, in_specs=in_specs, out_specs=[_spec(k, s, fb, grid[3]) for s, k in outs],
-            interpret=interpret, **_compiler(interpret, num_warps))(*[a for a, _ in inputs])
+            interpret=interpret, **_compiler(interpret, launch))(*[a for a, _ in inputs])
     finally:
         _tracing_precision[0] = HIGHEST
 
@@ -478,13 +495,13 @@ def _key_inputs(xk, rk, v, val, pk, ck):
     return [(xk, "rows"), (rk, "rows"), (v, "rows"), (val, "valid"), (pk, "proj"), (ck, "const")]
 
 
-def _forward(ops, causal, c, fb, segs, interpret, num_warps, precision):
+def _forward(ops, causal, c, fb, segs, interpret, launch, precision):
     """(out [B, H, Lq, Dv], log-denominator [B, H, Lq], what the backward pass reads, largest a_j [B, H])."""
     xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
     b, h, lq, _ = xq.shape
     lk, dv, f = xk.shape[2], v.shape[-1], pq.shape[-1]
     g = f // fb
-    call = functools.partial(_call, fb=fb, interpret=interpret, num_warps=num_warps, precision=precision, c=c)
+    call = functools.partial(_call, fb=fb, interpret=interpret, launch=launch, precision=precision, c=c)
     sq, sk = segs
     if sk > 1 or not causal:
         states = call(_key_state_kernel, _key_inputs(xk, rk, v, val, pk, ck), _state_outs(b, h, sk, f, dv),
@@ -509,19 +526,19 @@ def _forward(ops, causal, c, fb, segs, interpret, num_warps, precision):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15, 16))
-def _core(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, num_warps, precision):
+def _core(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, launch, precision):
     out, _, _, amax = _forward((xq, rq, xk, rk, v, val, pq, cq, pk, ck), causal, c, fb, segs, interpret,
-                               num_warps, precision)
+                               launch, precision)
     return out, amax
 
 
-def _core_fwd(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, num_warps, precision):
+def _core_fwd(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, launch, precision):
     ops = (xq, rq, xk, rk, v, val, pq, cq, pk, ck)
-    out, lden, saved, amax = _forward(ops, causal, c, fb, segs, interpret, num_warps, precision)
+    out, lden, saved, amax = _forward(ops, causal, c, fb, segs, interpret, launch, precision)
     return (out, amax), (ops, out, lden, saved)
 
 
-def _core_bwd(causal, c, fb, segs, interpret, num_warps, precision, residuals, cotangents):
+def _core_bwd(causal, c, fb, segs, interpret, launch, precision, residuals, cotangents):
     ops, out, lden, saved = residuals
     g = cotangents[0].astype(F32)
     xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
@@ -529,7 +546,7 @@ def _core_bwd(causal, c, fb, segs, interpret, num_warps, precision, residuals, c
     lk, dk, dv, f = xk.shape[2], xk.shape[3], v.shape[-1], pq.shape[-1]
     nb = f // fb
     sq, sk = segs
-    call = functools.partial(_call, fb=fb, interpret=interpret, num_warps=num_warps, precision=precision, c=c)
+    call = functools.partial(_call, fb=fb, interpret=interpret, launch=launch, precision=precision, c=c)
     q_outs = [((b, h, nb, lq, dq), "block"), ((b, h, nb, lq), "block")]
     k_outs = [((b, h, nb, lk, dk), "block"), ((b, h, nb, lk), "block"), ((b, h, nb, lk, dv), "block")]
     if causal:
@@ -565,10 +582,10 @@ def _core_bwd(causal, c, fb, segs, interpret, num_warps, precision, residuals, c
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _feature_width(f):
+def _feature_width(f, block):
     """F padded for the kernel: a power of two up to one feature block, whole blocks beyond (F = 130 runs
-    as 192, not 256)."""
-    return _pow2(f) if f <= FEATURE_BLOCK else -(-f // FEATURE_BLOCK) * FEATURE_BLOCK
+    as 192 with blocks of 64, not 256)."""
+    return _pow2(f) if f <= block else -(-f // block) * block
 
 
 def _pow2(n, least=16):
@@ -614,8 +631,15 @@ def _padded_values(v, valid, lp):
 PAD_FEATURE = -1e4
 
 
-def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CHUNK, interpret=None,
-           num_warps=4, precision=None, segments=None):
+def _precision(precision):
+    precision = precision or PRECISION
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    return precision
+
+
+def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=None, interpret=None,
+           num_warps=None, precision=None, segments=None):
     """Linear attention over log φ_q = xq·pq + cq + rq and log φ_k = xk·pk + ck + rk with the fused
     kernels: xq [B, H, Lq, D], rq [B, H, Lq], xk, rk likewise over Lk, pq/pk [.., D, F] and cq/ck [.., F]
     with leading (batch, head) dims broadcast from the right, v [B, H, Lk, Dv], valid [B, Lk] or None.
@@ -623,7 +647,11 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CH
     its chunk's reference by more than EXCEEDANCE and the caller must use an exact path. Causal needs
     Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU.
     `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION). `segments`: the
-    most segments a sequence is split into (None: enough for SEGMENT_PROGRAMS programs)."""
+    most segments a sequence is split into (None: enough for SEGMENT_PROGRAMS programs). `chunk`,
+    `num_warps` None: the mode's and precision's TUNING."""
+    precision = _precision(precision)
+    tuned_chunk, block, warps, stages = tuning(causal, precision)
+    chunk, launch = chunk or tuned_chunk, (num_warps or warps, stages)
     b, h, lq, _ = xq.shape
     lk, dv = xk.shape[2], v.shape[-1]
     if causal and lq != lk:
@@ -631,7 +659,7 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CH
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     f = pq.shape[-1]
-    fp = _feature_width(f)
+    fp = _feature_width(f, block)
     c = min(_pow2(chunk), _pow2(max(lq, lk)))
     lqp, lkp = -(-lq // c) * c, -(-lk // c) * c
     if causal:
@@ -641,37 +669,37 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=CH
     v, valid = _padded_values(v, valid, lkp)
     # parameters are constants of the kernel call (their cotangents are not computed)
     ops = (xq, rq, xk, rk, v, valid, *(jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck)))
-    precision = precision or PRECISION
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-    fb = min(FEATURE_BLOCK, fp)
+    fb = min(block, fp)
     programs = b * h * (fp // fb)
     sk = _segments(lkp // c, programs, segments)
     segs = (sk, sk) if causal else (_segments(lqp // c, programs, segments), sk)
-    out, amax = _core(*ops, causal, c, fb, segs, bool(interpret), num_warps, precision)
+    out, amax = _core(*ops, causal, c, fb, segs, bool(interpret), launch, precision)
     return out[:, :, :lq, :dv], amax > EXCEEDANCE
 
 
-def prefill(xk, rk, pk, ck, v, valid=None, chunk=CHUNK, interpret=None, num_warps=4, segments=None,
+def prefill(xk, rk, pk, ck, v, valid=None, chunk=None, interpret=None, num_warps=None, segments=None,
             precision=None):
     """The decoding state after keys log φ_k = xk·pk + ck + rk and values v (shapes as in `attend`),
     computed by the key-state kernel: (τ [B, H, F], the per-feature key maximum, −inf where no valid key;
     Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), decoding.decode_prefill's "tau" and "sum". Not
-    differentiable (a prompt's prefill)."""
+    differentiable (a prompt's prefill). Cut and launched as a bidirectional call (TUNING)."""
+    precision = _precision(precision)
+    tuned_chunk, block, warps, stages = tuning(False, precision)
+    chunk, launch = chunk or tuned_chunk, (num_warps or warps, stages)
     b, h, lk, _ = xk.shape
     dv, f = v.shape[-1], pk.shape[-1]
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    fp = _feature_width(f)
+    fp = _feature_width(f, block)
     c = min(_pow2(chunk), _pow2(lk))
     lkp = -(-lk // c) * c
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lkp, fp)
     v, valid = _padded_values(v, valid, lkp)
     ops = tuple(jax.lax.stop_gradient(a) for a in (xk, rk, v, valid, pk, ck))
-    fb = min(FEATURE_BLOCK, fp)
+    fb = min(block, fp)
     seg = _segments(lkp // c, b * h * (fp // fb), segments)
     states = _call(_key_state_kernel, _key_inputs(*ops), _state_outs(b, h, seg, fp, v.shape[-1]),
-                   (b, h, fp // fb, seg), fb, bool(interpret), num_warps, precision or PRECISION, c=c)
+                   (b, h, fp // fb, seg), fb, bool(interpret), launch, precision, c=c)
     tau, t, z = _total(*states)
     tau, t, z = tau[..., :f], t[..., :f, :dv], z[..., :f]
     return jnp.where(tau > 0.5 * LOW, tau, -jnp.inf), jnp.concatenate([t, z[..., None]], -1)

@@ -509,13 +509,14 @@ class T2RAttention(LearnedAttention):
 # How a random-feature kind runs: "xla" (favor.attention.linear), "pallas" (favor.attention.fused), or
 # "auto": the fused kernel where it was measured faster than XLA, XLA elsewhere and for the kinds and
 # options the kernel does not cover. AUTO_FUSED: backend -> {mode: the shortest key length measured
-# faster}. On an H200 (BENCHMARKS.md accel-nvidia-h200-segments) the kernel's bidirectional forward+
-# backward beat XLA's from L = 4096 to 128K (and matched it at 1024); its causal forward+backward was
-# slower than XLA's at every length (the backward sweeps), so causal calls stay on XLA.
+# faster}, forward+backward with the kernel's default products (tf32x3). On an H200: bidirectional
+# faster from L = 4096 to 128K (BENCHMARKS.md accel-nvidia-h200-segments); causal faster at 16K, 32K and
+# 128K (15.1 against 17.5 ms, 28.2 against 33.0, 108 against 129) and slower at 4K (13.2 against 12.1;
+# accel-nvidia-h200-tuned-causal), so causal calls take the kernel from 16384 keys.
 # "pallas-<precision>" runs the kernel's products at one of fused.PRECISIONS ("pallas": fused.PRECISION)
 IMPLS = ("auto", "xla", "pallas", *(f"pallas-{p}" for p in fused.PRECISIONS))
 SOFTMAX_IMPLS = ("auto", "xla", "cudnn")
-AUTO_FUSED = {"gpu": {"bidirectional": 4096}}
+AUTO_FUSED = {"gpu": {"bidirectional": 4096, "causal": 16384}}
 
 
 @pytree_dataclass

@@ -326,8 +326,9 @@ def plot(rows, names, path, title):
     for ax, (causal, grad) in zip(axes[0], panels):
         sub = [r for r in rows if tuple(r["config"][:4]) == (*first, causal, grad)]
         for name in names:
-            pts = [(r["length"], 1e3 * r["results"][name]["median_ms"] / (r["config"][5] * r["length"]))
-                   for r in sub if "median_ms" in r["results"].get(name, {})]
+            # in length order: a run may measure its lengths in any order (the budget cuts the last ones)
+            pts = sorted((r["length"], 1e3 * r["results"][name]["median_ms"] / (r["config"][5] * r["length"]))
+                         for r in sub if "median_ms" in r["results"].get(name, {}))
             if pts:
                 ax.plot(*zip(*pts), "--" if name.endswith("/xla") else "-", marker="o", ms=3, label=name,
                         lw=2.2 if name == "softmax" else 1.2)
@@ -361,7 +362,7 @@ def write(names, rows, dec_rows, checks, meta, out_dir, section, with_plot=True)
         return f"{r['median_ms']:.2f} ms{ratio}{mem}"
     cols = [n for n, *_ in names]
     lines = ["| dtype | D | mode | L | B | " + " | ".join(cols) + " |", "|---" * (5 + len(cols)) + "|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (str(r["config"][0]), r["config"][1], r["length"])):   # stable: modes stay
         dtype, d, causal, grad, length, batch = r["config"]
         mode = ("causal" if causal else "bidir") + ("+grad" if grad else "")
         body = [r.get("note", "")] if "note" in r else [cell(r["results"].get(n, {})) for n in cols]
