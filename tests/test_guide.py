@@ -6,7 +6,7 @@ import shutil
 from favor.repro import guide
 
 CITED = ["bench/ablation-default.json", "bench/causal-ratios.json", "bench/generate.json",
-         "bench/accel-nvidia-h200-segments.json", "bench/accel-nvidia-h200-segments-causal.json"] + \
+         "bench/accel-nvidia-h200-segments.json", "bench/accel-nvidia-h200-tuned-causal.json"] + \
         [f"repro/{n}/{n}.json" for n in ("listops-kernels", "uptrain-kernels", "linearize", "mqar-kernels",
                                         "speech-kernels")]
 

@@ -221,10 +221,10 @@ def _accel(root, section, grad, kind):
 def speed_rows(root: Path) -> list[list[str]]:
     bidir = {n: r for n, (c, r) in _accel(root, "accel-nvidia-h200-segments", True, "favor+/pallas-bf16").items()
              if not c}
-    causal = {n: r for n, (c, r) in _accel(root, "accel-nvidia-h200-segments-causal", True,
+    causal = {n: r for n, (c, r) in _accel(root, "accel-nvidia-h200-tuned-causal", True,
                                           "favor+/pallas-bf16").items() if c}
     if not bidir or not causal:
-        raise Missing("accel-nvidia-h200-segments(-causal): no pallas-bf16 forward+backward rows")
+        raise Missing("accel-nvidia-h200-segments / -tuned-causal: no pallas-bf16 forward+backward rows")
     k = lambda n: f"{n // 1024}K"
 
     def crossing(d):
