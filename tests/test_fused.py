@@ -445,14 +445,19 @@ def test_segments_equal_the_float64_reference_and_each_other(causal):
     args = _log_linear_case(20)
     want = _attend64(*args, causal)
     w = jnp.asarray(np.random.default_rng(21).standard_normal(want.shape), jnp.float32)
-    diff = lambda xq, rq, xk, rk, v, s: jnp.sum(w * _attend32((xq, rq, args[2], args[3], xk, rk, args[6], args[7],
-                                                                v, args[9]), causal, s)[0])
+
+    def diff(xq, rq, xk, rk, v, s):
+        out, exceeded = _attend32((xq, rq, args[2], args[3], xk, rk, args[6], args[7], v, args[9]), causal, s)
+        return jnp.sum(w * out), (out, exceeded)
+
+    # one program per segment count: outputs and gradients together (eager, the pass's glue ops dispatch
+    # one by one)
+    program = jax.jit(jax.value_and_grad(diff, (0, 1, 2, 3, 4), has_aux=True), static_argnums=5)
     base = None
     for s in (1, 2, 4, 8):
-        out, exceeded = _attend32(args, causal, s)
+        (_, (out, exceeded)), grads = program(*(jnp.asarray(args[i], jnp.float32) for i in (0, 1, 4, 5, 8)), s)
         assert not bool(jnp.any(exceeded))
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.max(np.abs(want)))
-        grads = jax.grad(diff, (0, 1, 2, 3, 4))(*(jnp.asarray(args[i], jnp.float32) for i in (0, 1, 4, 5, 8)), s)
         if base is None:
             base = grads
             continue
@@ -475,7 +480,7 @@ def test_segment_gradients_equal_float64_finite_differences(causal):
     loss32 = lambda xq, rq, xk, rk, v: jnp.sum(jnp.asarray(w, jnp.float32) * _attend32(
         (xq, rq, args[2], args[3], xk, rk, args[6], args[7], v, args[9]), causal, 4)[0])
     which = (0, 1, 4, 5, 8)
-    grads = jax.grad(loss32, tuple(range(5)))(*(jnp.asarray(args[i], jnp.float32) for i in which))
+    grads = jax.jit(jax.grad(loss32, tuple(range(5))))(*(jnp.asarray(args[i], jnp.float32) for i in which))
     rng = np.random.default_rng(24)
     assert np.max(np.abs(np.asarray(grads[1]))) <= 1e-5 * np.max(np.abs(np.asarray(grads[0])))
     for g, i in [(g, i) for g, i in zip(grads, which) if i != 1]:
@@ -496,17 +501,20 @@ def test_segments_keep_the_future_from_the_past_bit_for_bit():
     l = args[0].shape[2]
     w = jnp.asarray(np.random.default_rng(27).standard_normal((1, 2, l, 3)), jnp.float32)
 
-    def run(a, t):
-        out = _attend32(a, True, 4)[0]
-        return out, jax.grad(lambda xq, rq, xk, rk, v: jnp.sum(jnp.where(jnp.arange(l)[:, None] < t, w, 0.0) * _attend32(
-            (xq, rq, a[2], a[3], xk, rk, a[6], a[7], v, a[9]), True, 4)[0]), (0, 1, 2, 3, 4))(
-            *(jnp.asarray(a[i], jnp.float32) for i in (0, 1, 4, 5, 8)))
+    @jax.jit        # one program for every t and both inputs (t is data: the loss weighs outputs before it)
+    def run(xq, rq, xk, rk, v, t):
+        def loss(xq, rq, xk, rk, v):
+            out = _attend32((xq, rq, args[2], args[3], xk, rk, args[6], args[7], v, args[9]), True, 4)[0]
+            return jnp.sum(jnp.where(jnp.arange(l)[:, None] < t, w, 0.0) * out), out
+        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True)(xq, rq, xk, rk, v)
+        return out, grads
 
+    pick = lambda a: [jnp.asarray(a[i], jnp.float32) for i in (0, 1, 4, 5, 8)]
     for t in (3, 16, 32, 45, 64, 100):
         mixed = [a.copy() for a in args]
         for i in (0, 1, 4, 5, 8):
             mixed[i][:, :, t:] = other[i][:, :, t:]
-        (o1, g1), (o2, g2) = run(args, t), run(mixed, t)
+        (o1, g1), (o2, g2) = run(*pick(args), t), run(*pick(mixed), t)
         np.testing.assert_array_equal(np.asarray(o1)[:, :, :t], np.asarray(o2)[:, :, :t])
         for a, b in zip(g1, g2):
             np.testing.assert_array_equal(np.asarray(a)[:, :, :t], np.asarray(b)[:, :, :t])
