@@ -11,6 +11,9 @@ set -u
 out=${1:-.}
 py=${PYTHON:-python3}
 bench() { timeout "$1" "$py" -m favor.bench accel --out "$out" "${@:2}"; }
+# the kernels' candidate cuts against fused.TUNING's (its section says which was fastest; TUNING is edited
+# by hand from it, so on a new device type run this first and the grid after the edit)
+timeout 900 "$py" -m favor.bench tune --out "$out"
 bench 1800 --check --kinds favor+ --kernel-precisions tf32x3,bf16 --dtypes bfloat16 --head-dims 64 \
   --rounds 3 --budget "${BUDGET_MAIN:-1500}" --max-ms 3000
 bench 900 --kinds favor+,favor++,favor#,simrf,favor,hrf,relu,elu --dtypes bfloat16,float32 --head-dims 64,128 \

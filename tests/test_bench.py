@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from favor import attention
@@ -223,6 +225,40 @@ def test_bench_accel_checks_times_and_writes(tmp_path, monkeypatch):
     assert png.stat().st_size > 0
     with pytest.raises(SystemExit):
         cli.main(["accel", "--kernel-precisions", "fp8"])
+
+
+def test_bench_tune_times_each_cut_against_the_tuning_table_and_restores_it(tmp_path):
+    """Every mode and precision asked for: the cut TUNING holds and each candidate, timed (interpret mode
+    here: figures not asserted beyond being positive), ratios to TUNING's cut (1 for itself); the table
+    is left as it was; a malformed cut is the parser's error naming it."""
+    from favor.attention import fused
+    from favor.bench import tune
+    before = dict(fused.TUNING)
+    cli.main(["tune", "--quick", "--precisions", "tf32x3,highest", "--out", str(tmp_path)])
+    assert fused.TUNING == before
+    rows = json.loads((tmp_path / "bench" / "tune-cpu.json").read_text())["rows"]
+    assert [(r["causal"], r["precision"]) for r in rows] == [(True, "tf32x3"), (True, "highest"),
+                                                             (False, "tf32x3"), (False, "highest")]
+    for r in rows:
+        assert r["tuning"] == tune._name(fused.tuning(r["causal"], r["precision"]))
+        assert set(r["results"]) == {r["tuning"], "16x32x4x1"}
+        assert all(v["median_ms"] > 0 for v in r["results"].values())
+        assert r["results"][r["tuning"]]["ratio"] == 1.0
+    assert "## tune-cpu" in (tmp_path / "BENCHMARKS.md").read_text()
+    # each candidate is the program of its own cut: TUNING's cut lowers as a plain call does, another differs
+    inputs = tune._inputs(64, 1, 2, 16, 32)
+    text = lambda cut: tune._lowered(True, "tf32x3", cut, inputs).as_text()
+    def loss(xq, rq, xk, rk, v, p, c):                     # named as tune's, so the module names match
+        return jnp.sum(fused.attend(xq, rq, p, c, xk, rk, p, c, v, None, True, precision="tf32x3")[0])
+    plain = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))).lower(*inputs).as_text()
+    assert text(fused.tuning(True, "tf32x3")) == plain != text((16, 16, 4, 1))
+    assert fused.TUNING == before
+    assert tune.parse_cut("32x64x4x2") == (32, 64, 4, 2)
+    for bad in ("32x64x4", "24x64x4x1", "32x64x3x1", "32xbx4x1"):
+        with pytest.raises(ValueError, match="chunk x block x warps x stages"):
+            tune.parse_cut(bad)
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--cuts", "64x64", "--out", str(tmp_path)])
 
 
 def test_bench_lora_counts_optimizer_memory_from_shapes(tmp_path):

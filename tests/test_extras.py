@@ -56,6 +56,7 @@ cli.main(["peers", "--lengths", "32", "--rounds", "1", "--modes", "bidirectional
 cli.main(["accel", "--kinds", "favor+", "--lengths", "32", "--modes", "causal", "--passes", "fwd", "--dtypes", "float32",
           "--head-dims", "64", "--tokens", "32", "--rounds", "1", "--out", out])
 cli.main(["lora", "--presets", "tiny", "--ranks", "2", "--out", out])
+cli.main(["tune", "--quick", "--modes", "causal", "--precisions", "bf16", "--out", out])
 cli.main(["headline", "--out", out])
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("tensorflow", "tensorflow_datasets"))
 assert not loaded, loaded[:5]
@@ -90,7 +91,7 @@ def test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow(tmp_pat
     assert "BENCHES DONE" in done.stdout
     from favor.bench import cli
     assert set(cli.SUBCOMMANDS) == {"attention", "ratios", "parts", "steps", "generate", "train", "uptrain",
-                                    "peers", "accel", "lora", "headline"}   # a new subcommand is added to BENCHES above
+                                    "peers", "accel", "tune", "lora", "headline"}   # a new subcommand is added to BENCHES above
 
 
 def test_a_tfds_pipeline_without_tensorflow_is_one_line_naming_the_extra(tmp_path):

@@ -9,6 +9,7 @@
   peers      FAVOR+ against performer-pytorch (the optional `bench` extra)
   generate   a decoder's prefill and token-by-token decoding, each kind against softmax's cache
   accel      every kind (XLA and the fused kernel) against softmax/FlashAttention over lengths to 128K
+  tune       the fused kernels' cut and launch (fused.TUNING): candidate cuts timed on this device
   lora       optimizer memory of LoRA uptraining against full fine-tuning
   headline   BENCHMARKS.md's table of targets, regenerated from the sections' raw figures (measures nothing)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from favor import attention, runtime
 from favor.attention import fused, kinds as kinds_lib
 from favor.bench import sections
-from favor.bench.common import choices, ints, peak_bytes, specs
+from favor.bench.common import choices, ints, peak_bytes, round_robin, specs
 
 KINDS = ("favor+", "favor++", "favor#", "simrf", "favor", "hrf", "relu", "elu")
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -68,7 +68,7 @@ def layer(spec, impl, dtype, causal, grad, q, k, mask=None):
     return lambda q, k, v, rng: jax.grad(lambda *a: jnp.sum(out(*a, rng).astype(jnp.float32)), (0, 1, 2))(q, k, v)
 
 
-def _error(e):
+def error_text(e):
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ("out of memory" if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text.lower()
             else text[:120])
@@ -106,7 +106,7 @@ def measure(config, names, rounds, skip, seed=0):
         try:   # traced one at a time (the kernel's precision is read while tracing)
             lowered[name] = jax.jit(layer(spec, impl, dtype, causal, grad, q, k)).lower(*args)
         except Exception as e:                                     # noqa: BLE001 — reported, not hidden
-            results[name] = {"error": _error(e)}
+            results[name] = {"error": error_text(e)}
     for name, compiled in compile_all(lowered).items():
         try:
             if isinstance(compiled, Exception):
@@ -116,16 +116,9 @@ def measure(config, names, rounds, skip, seed=0):
             peak = peak_bytes(compiled)
             results[name] = {"peak_mb": None if peak is None else peak / 2 ** 20}
         except Exception as e:                                     # noqa: BLE001 — reported, not hidden
-            results[name] = {"error": _error(e)}
+            results[name] = {"error": error_text(e)}
     results = {name: results[name] for name, *_ in names if name in results}       # the entries' order
-    times = {name: [] for name in programs}
-    order, rnd = list(programs), random.Random(seed)
-    for _ in range(rounds):
-        rnd.shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            jax.block_until_ready(programs[name](*args))
-            times[name].append(time.perf_counter() - t0)
+    times = round_robin({name: (p, args, 1.0) for name, p in programs.items()}, rounds, seed)
     base = times.get("softmax")
     for name, t in times.items():
         results[name].update(min_ms=min(t) * 1e3, median_ms=statistics.median(t) * 1e3)
@@ -156,7 +149,7 @@ def check(kind_specs, precisions=(fused.PRECISION,), length=1000, seed=0):
             try:
                 row = _check_one(spec, impl, causal, q, k, v, mask, w, (q2, k2, v2), cut)
             except Exception as e:                                 # noqa: BLE001 — reported, not hidden
-                row = {"error": _error(e)}
+                row = {"error": error_text(e)}
             row = {"kind": name, "causal": causal, **row}
             rows.append(row)
             print(f"check {name} {'causal' if causal else 'bidir'}: " + (
@@ -277,7 +270,7 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
                 lowered[name] = step.lower(*state, ids)
                 programs[name] = state
             except Exception as e:                                 # noqa: BLE001 — reported, not hidden
-                programs[name] = _error(e)
+                programs[name] = error_text(e)
         for name, compiled in compile_all(lowered).items():
             try:
                 if isinstance(compiled, Exception):
@@ -287,7 +280,7 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
                 jax.block_until_ready(state)
                 programs[name] = (compiled, state)
             except Exception as e:                                 # noqa: BLE001 — reported, not hidden
-                programs[name] = _error(e)
+                programs[name] = error_text(e)
         times = {n: [] for n, p in programs.items() if not isinstance(p, str)}
         order, rnd = list(times), random.Random(0)
         for _ in range(rounds):

@@ -12,11 +12,11 @@ import argparse
 import sys
 
 from favor import extras
-from favor.bench import accel, attention, generate, headline, lora, parts, peers, ratios, steps, train, uptrain
+from favor.bench import accel, attention, generate, headline, lora, parts, peers, ratios, steps, train, tune, uptrain
 
 SUBCOMMANDS = {"attention": attention, "ratios": ratios, "parts": parts, "train": train, "steps": steps,
                "uptrain": uptrain, "peers": peers, "generate": generate, "accel": accel,
-               "lora": lora, "headline": headline}
+               "tune": tune, "lora": lora, "headline": headline}
 
 
 def main(argv=None):
