@@ -141,39 +141,61 @@ def check(kind_specs, precisions=(fused.PRECISION,), length=1000, seed=0):
     w = jax.random.normal(ks[3], v.shape)
     cut = int(0.7 * length)
     q2, k2, v2 = (a.at[:, cut:].set(jax.random.normal(ks[4], a[:, cut:].shape)) for a in (q, k, v))
-    rows = []
-    for name, spec, impl in entries(kind_specs, precisions):
-        if not (impl or "").startswith("pallas"):
-            continue
-        for causal in (False, True):
+    # every program lowered first (each under its matmul precision), then compiled in parallel threads: on an
+    # accelerator compiling is most of the check's time
+    jobs = [(name, spec, impl, causal) for name, spec, impl in entries(kind_specs, precisions)
+            if (impl or "").startswith("pallas") for causal in (False, True)]
+    lowered, failed = {}, {}
+    for _, spec, impl, causal in jobs:
+        for which in ("xla", impl):
+            key = (spec, which, causal)
+            if key in lowered or key in failed:
+                continue
             try:
-                row = _check_one(spec, impl, causal, q, k, v, mask, w, (q2, k2, v2), cut)
+                lowered[key] = _check_programs(spec, which, causal, q, k, v, mask, w)
             except Exception as e:                                 # noqa: BLE001 — reported, not hidden
-                row = {"error": error_text(e)}
-            row = {"kind": name, "causal": causal, **row}
-            rows.append(row)
-            print(f"check {name} {'causal' if causal else 'bidir'}: " + (
-                row["error"] if "error" in row else f"out {row['out']:.1e}, grad {row['grad']:.1e}"
-                + (f", future never moves the past: {row['causal_bitwise']}" if causal else "")), flush=True)
+                failed[key] = error_text(e)
+    flat = compile_all({(*key, part): low for key, pair in lowered.items() for part, low in zip(("out", "grad"), pair)})
+    rows = []
+    for name, spec, impl, causal in jobs:
+        try:
+            for which in ("xla", impl):
+                if (spec, which, causal) in failed:
+                    raise RuntimeError(failed[(spec, which, causal)])
+            row = _check_one({which: (flat[(spec, which, causal, "out")], flat[(spec, which, causal, "grad")])
+                              for which in ("xla", impl)}, impl, causal, q, k, v, (q2, k2, v2), cut)
+        except Exception as e:                                     # noqa: BLE001 — reported, not hidden
+            row = {"error": error_text(e)}
+        row = {"kind": name, "causal": causal, **row}
+        rows.append(row)
+        print(f"check {name} {'causal' if causal else 'bidir'}: " + (
+            row["error"] if "error" in row else f"out {row['out']:.1e}, grad {row['grad']:.1e}"
+            + (f", future never moves the past: {row['causal_bitwise']}" if causal else "")), flush=True)
     return rows
 
 
-def _check_one(spec, impl, causal, q, k, v, mask, w, changed, cut):
-    """One kind, precision and mode of `check`: XLA's outputs and gradients against the kernel's."""
+def _check_programs(spec, which, causal, q, k, v, mask, w):
+    """(outputs, d/d(q, k, v) of Σ w·outputs) of one kind on one impl, lowered. XLA's (the reference) at
+    full float32 precision: an accelerator's default runs XLA's float32 matmuls on TF32 or bf16 passes (on
+    an H200 favor+'s XLA pass then differs from its own float32 by 7e-4)."""
+    fwd = layer(spec, which, jnp.float32, causal, False, q, k, mask)
+    with jax.default_matmul_precision("highest" if which == "xla" else "default"):
+        return (jax.jit(lambda q, k, v: fwd(q, k, v, None)).lower(q, k, v),
+                jax.jit(jax.grad(lambda q, k, v: jnp.sum(w * fwd(q, k, v, None)), (0, 1, 2))).lower(q, k, v))
+
+
+def _check_one(programs, impl, causal, q, k, v, changed, cut):
+    """One kind, precision and mode of `check` from its compiled programs ({impl: (outputs, gradients)}, each
+    compiled or the exception compiling it raised): XLA's outputs and gradients against the kernel's."""
+    for compiled in (p for pair in programs.values() for p in pair):
+        if isinstance(compiled, Exception):
+            raise compiled
     rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
-    got = {}
-    for which in ("xla", impl):
-        fwd = layer(spec, which, jnp.float32, causal, False, q, k, mask)
-        out = jax.jit(lambda q, k, v, fwd=fwd: fwd(q, k, v, None))
-        grads = jax.jit(jax.grad(lambda q, k, v, fwd=fwd: jnp.sum(w * fwd(q, k, v, None)), (0, 1, 2)))
-        # the reference at full float32 precision: an accelerator's default runs XLA's float32 matmuls on
-        # TF32 or bf16 passes (on an H200 favor+'s XLA pass then differs from its own float32 by 7e-4)
-        with jax.default_matmul_precision("highest" if which == "xla" else "default"):
-            got[which] = (out, out(q, k, v), grads(q, k, v))
+    got = {which: (out(q, k, v), grads(q, k, v)) for which, (out, grads) in programs.items()}
     x, p = got["xla"], got[impl]
-    row = {"out": rel(x[1], p[1]), "grad": max(rel(a, b) for a, b in zip(x[2], p[2]))}
+    row = {"out": rel(x[0], p[0]), "grad": max(rel(a, b) for a, b in zip(x[1], p[1]))}
     if causal:
-        row["causal_bitwise"] = bool(jnp.all(p[0](*changed)[:, :cut] == p[1][:, :cut]))
+        row["causal_bitwise"] = bool(jnp.all(programs[impl][0](*changed)[:, :cut] == p[0][:, :cut]))
     return row
 
 
