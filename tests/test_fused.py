@@ -569,4 +569,4 @@ def test_calls_are_cut_as_the_tuning_table_says(causal):
         assert f"grid=(1, 2, {width // block}, 1)" in text
         if causal:
             assert f"f32[1,2,{l // chunk},{width}]" in text
-    assert set(fused.TUNING) <= {(m, p) for m in ("causal", "bidirectional") for p in fused.PRECISIONS}
+    assert set(fused.TUNING) <= {(m, prec) for m in ("causal", "bidirectional") for prec in fused.PRECISIONS}
