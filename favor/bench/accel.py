@@ -89,6 +89,22 @@ def compile_all(lowered):
     return {name: job.result() for name, job in jobs.items()}
 
 
+def ready(lowered, args):
+    """({name: compiled program, called once on `args`}, {name: why it failed}) of {name: jax Lowered}:
+    compiled in parallel (`compile_all`); a program that fails to compile or to run (out of memory, say)
+    is reported, not raised."""
+    programs, failed = {}, {}
+    for name, compiled in compile_all(lowered).items():
+        try:
+            if isinstance(compiled, Exception):
+                raise compiled
+            jax.block_until_ready(compiled(*args))                                     # warm
+            programs[name] = compiled
+        except Exception as e:                                     # noqa: BLE001 — reported, not hidden
+            failed[name] = error_text(e)
+    return programs, failed
+
+
 def measure(config, names, rounds, skip, seed=0):
     """One configuration (dtype, head_dim, causal, grad, length, batch): every entry compiled (its planned
     peak bytes from XLA's memory analysis), then timed round-robin. `skip` {name: why} leaves entries out.
@@ -98,7 +114,7 @@ def measure(config, names, rounds, skip, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     q, k, v = ((0.5 * jax.random.normal(kk, (batch, length, heads, d))).astype(dtype) for kk in ks[:3])
     args = (q, k, v, ks[3])
-    results, programs, lowered = {}, {}, {}
+    results, lowered = {}, {}
     for name, spec, impl in names:
         if name in skip:
             results[name] = {"error": skip[name]}
@@ -107,18 +123,13 @@ def measure(config, names, rounds, skip, seed=0):
             lowered[name] = jax.jit(layer(spec, impl, dtype, causal, grad, q, k)).lower(*args)
         except Exception as e:                                     # noqa: BLE001 — reported, not hidden
             results[name] = {"error": error_text(e)}
-    for name, compiled in compile_all(lowered).items():
-        try:
-            if isinstance(compiled, Exception):
-                raise compiled
-            jax.block_until_ready(compiled(*args))                                     # warm
-            programs[name] = compiled
-            peak = peak_bytes(compiled)
-            results[name] = {"peak_mb": None if peak is None else peak / 2 ** 20}
-        except Exception as e:                                     # noqa: BLE001 — reported, not hidden
-            results[name] = {"error": error_text(e)}
+    programs, failed = ready(lowered, args)
+    results.update({name: {"error": why} for name, why in failed.items()})
+    for name, compiled in programs.items():
+        peak = peak_bytes(compiled)
+        results[name] = {"peak_mb": None if peak is None else peak / 2 ** 20}
     results = {name: results[name] for name, *_ in names if name in results}       # the entries' order
-    times = round_robin({name: (p, args, 1.0) for name, p in programs.items()}, rounds, seed)
+    times = round_robin({name: (p, args, 1.0) for name, p in programs.items()}, rounds, seed, warm=False)
     base = times.get("softmax")
     for name, t in times.items():
         results[name].update(min_ms=min(t) * 1e3, median_ms=statistics.median(t) * 1e3)

@@ -27,14 +27,15 @@ def timed(fn, args, repeats, min_seconds=0.3):
     return statistics.median(times)
 
 
-def round_robin(programs, rounds, seed=0):
+def round_robin(programs, rounds, seed=0, warm=True):
     """{name: [seconds of each round]} of `programs` ({name: (function, arguments, factor on its time)}),
-    each warmed once, then timed round by round, every round running each program once in a fresh random
-    order: a burst of load on a shared machine falls on all of them alike, so per-round ratios hold."""
+    each warmed once (unless the caller has: warm=False), then timed round by round, every round running
+    each program once in a fresh random order: a burst of load on a shared machine falls on all of them
+    alike, so per-round ratios hold."""
     times = {name: [] for name in programs}
     order = list(programs)
     rnd = random.Random(seed)
-    for fn, args, _ in programs.values():
+    for fn, args, _ in programs.values() if warm else ():
         jax.block_until_ready(fn(*args))
     for _ in range(rounds):
         rnd.shuffle(order)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from favor import runtime
 from favor.attention import fused
 from favor.bench import sections
-from favor.bench.accel import compile_all, error_text
+from favor.bench.accel import error_text, ready
 from favor.bench.common import choices, ints, round_robin
 
 # (chunk, feature block, warps, stages): the grid the TUNING table was chosen from, around its entries
@@ -84,16 +84,9 @@ def measure(causal, precision, length, batch, cuts, rounds, shape, seed=0):
             lowered[cut] = _lowered(causal, precision, cut, inputs)
         except Exception as e:                                     # noqa: BLE001 — reported, not hidden
             results[cut] = {"error": error_text(e)}
-    programs = {}
-    for cut, compiled in compile_all(lowered).items():
-        try:
-            if isinstance(compiled, Exception):
-                raise compiled
-            jax.block_until_ready(compiled(*inputs))                                   # warm
-            programs[cut] = compiled
-        except Exception as e:                                     # noqa: BLE001 — reported, not hidden
-            results[cut] = {"error": error_text(e)}
-    times = round_robin({cut: (p, inputs, 1.0) for cut, p in programs.items()}, rounds, seed)
+    programs, failed = ready(lowered, inputs)
+    results.update({cut: {"error": why} for cut, why in failed.items()})
+    times = round_robin({cut: (p, inputs, 1.0) for cut, p in programs.items()}, rounds, seed, warm=False)
     for cut, t in times.items():
         results[cut] = {"median_ms": statistics.median(t) * 1e3}
         if current in times:
