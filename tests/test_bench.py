@@ -1,8 +1,10 @@
 """The benchmark command runs and writes its table and JSON (figures themselves are not asserted)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -259,6 +261,42 @@ def test_bench_tune_times_each_cut_against_the_tuning_table_and_restores_it(tmp_
             tune.parse_cut(bad)
     with pytest.raises(SystemExit):
         cli.main(["tune", "--cuts", "64x64", "--out", str(tmp_path)])
+    # a spent budget: every configuration listed as not run (nothing compiled), the table still whole
+    cli.main(["tune", "--quick", "--budget", "0", "--out", str(tmp_path / "spent")])
+    rows = json.loads((tmp_path / "spent" / "bench" / "tune-cpu.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["results"] == {} and "budget" in r["note"] for r in rows)
+    section = (tmp_path / "spent" / "BENCHMARKS.md").read_text().split("## tune-cpu")[1]
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    assert len(table) == 6 and len({line.count("|") for line in table}) == 1, table
+
+
+def test_the_accelerator_script_runs_the_parts_asked_for_each_with_its_budget(tmp_path):
+    """launch/bench_accel.sh with a stand-in interpreter that records its arguments: the three parts in order
+    by default, one part alone when named (what a short device loan runs), each with its budget; an unknown
+    part is refused before anything runs."""
+    script = Path(__file__).resolve().parents[1] / "launch" / "bench_accel.sh"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s " "$@" >> {tmp_path}/calls\necho >> {tmp_path}/calls\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "BUDGET_KINDS": "420"}
+
+    def run(*parts):
+        (tmp_path / "calls").unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(script), str(tmp_path / "out"), *parts], env=env, capture_output=True,
+                              text=True, timeout=60)
+        calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+        return done, calls
+
+    done, calls = run()
+    assert done.returncode == 0, done.stderr
+    assert [c.split()[2] for c in calls] == ["tune", "accel", "accel"] and "--check" in calls[1]
+    assert all(f"--out {tmp_path / 'out'}" in c for c in calls)
+    done, calls = run("kinds")
+    assert len(calls) == 1 and "--decoder-lengths" in calls[0] and "--budget 420 " in calls[0]
+    done, calls = run("tune", "kinds")
+    assert [c.split()[2] for c in calls] == ["tune", "accel"] and "--budget 600 " in calls[0]
+    done, calls = run("grid", "decoder")
+    assert done.returncode == 2 and "unknown part 'decoder'; valid: tune, grid, kinds" in done.stderr and not calls
 
 
 def test_bench_lora_counts_optimizer_memory_from_shapes(tmp_path):

@@ -12,6 +12,7 @@ its times say nothing of a GPU.
 from __future__ import annotations
 
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,8 @@ def add_parser(sub):
     p.add_argument("--cuts", default=",".join(map(_name, CANDIDATES)),
                    help="candidates, chunk x block x warps x stages (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--budget", type=float, default=3000.0,
+                   help="seconds: configurations (mode, precision, length) started after it are not run")
     p.add_argument("--quick", action="store_true", help="CPU-sized: L = 64, 2 heads, F = 32, two cuts, 2 rounds")
     p.add_argument("--out", default=".")
     p.add_argument("--section-suffix", default="", help="appended to the section's name")
@@ -130,33 +133,42 @@ def main(args, flags, argv, parser):
     device = "".join(c if c.isalnum() else "-" for c in jax.devices()[0].device_kind.lower())
     section = ("tune-cpu" if jax.default_backend() == "cpu" else f"tune-{device}") + args.section_suffix
     meta = sections.machine(argv, tokens=tokens, rounds=rounds, heads=shape[0], head_dim=shape[1], features=shape[2])
-    rows = []
+    names = list(dict.fromkeys(_name(c) for c in ([fused.tuning(m, p) for m in modes for p in precisions] + cuts)))
+    rows, start = [], time.perf_counter()
     for causal in modes:
         for precision in precisions:
             for length in lengths:
                 batch = max(1, tokens // length)
-                results = measure(causal, precision, length, batch, cuts, rounds, shape)
-                rows.append({"causal": causal, "precision": precision, "length": length, "batch": batch,
-                             "tuning": _name(fused.tuning(causal, precision)),
-                             "results": {_name(c): r for c, r in results.items()}})
-                print(f"{'causal' if causal else 'bidir'} {precision} L={length} B={batch}: " + ", ".join(
-                    f"{n} " + (f"{r['median_ms']:.2f}ms" if "median_ms" in r else r["error"])
-                    for n, r in rows[-1]["results"].items()), flush=True)
-    sections.publish(args.out, section, _text(section, meta, rows), {"meta": meta, "rows": rows})
+                row = {"causal": causal, "precision": precision, "length": length, "batch": batch,
+                       "tuning": _name(fused.tuning(causal, precision))}
+                if time.perf_counter() - start > args.budget:
+                    rows.append({**row, "results": {}, "note": "not run: the time budget was spent"})
+                else:
+                    results = measure(causal, precision, length, batch, cuts, rounds, shape)
+                    rows.append({**row, "results": {_name(c): r for c, r in results.items()}})
+                    print(f"{'causal' if causal else 'bidir'} {precision} L={length} B={batch}: " + ", ".join(
+                        f"{n} " + (f"{r['median_ms']:.2f}ms" if "median_ms" in r else r["error"])
+                        for n, r in rows[-1]["results"].items()), flush=True)
+                # after every configuration: a run ended from outside (a device's loan, `timeout`) keeps
+                # what it measured
+                sections.publish(args.out, section, _text(section, meta, rows, names), {"meta": meta, "rows": rows})
 
 
-def _text(section, meta, rows):
+def _text(section, meta, rows, cuts):
     def cell(r, best):
         if "median_ms" not in r:
             return f"— ({r['error']})"
         text = f"{r['median_ms']:.2f}" + (f" ({r['ratio']:.2f}×)" if "ratio" in r else "")
         return f"**{text}**" if best else text
-    cuts = list(dict.fromkeys(n for row in rows for n in row["results"]))
     lines = ["| mode | precision | L | B | TUNING | fastest | " + " | ".join(cuts) + " |", "|---" * (6 + len(cuts)) + "|"]
     for row in rows:
         timed = {n: r for n, r in row["results"].items() if "median_ms" in r}
         best = min(timed, key=lambda n: timed[n]["median_ms"]) if timed else None
         mode = "causal" if row["causal"] else "bidirectional"
+        if "note" in row:
+            lines.append(f"| {mode} | {row['precision']} | {row['length']} | {row['batch']} | {row['tuning']} | "
+                         f"— | {row['note']} |" + " |" * (len(cuts) - 1))
+            continue
         lines.append(f"| {mode} | {row['precision']} | {row['length']} | {row['batch']} | {row['tuning']} | "
                      f"{best or '—'} | " + " | ".join(cell(row["results"][n], n == best) if n in row["results"]
                                                       else "" for n in cuts) + " |")
