@@ -11,9 +11,8 @@
 # Compiling is most of the time: with each configuration's programs compiled in parallel threads, the
 # check and ten configurations of four programs (L = 4K–128K) took 3.5 minutes on an H200. Each part stops
 # starting new configurations when its budget (seconds; BUDGET_TUNE, BUDGET_GRID, BUDGET_KINDS) is spent,
-# writes what it has measured as it goes, and is ended by `timeout` a few minutes after its budget, so
-# one part with a budget of about 8 minutes fits a short loan of a device. PYTHON picks the interpreter
-# (default python3).
+# writes what it has measured as it goes, and is ended by `timeout` 5 minutes after its budget: a short
+# device loan runs one part with a smaller budget. PYTHON picks the interpreter (default python3).
 set -u
 out=${1:-.}
 shift $(( $# > 0 ? 1 : 0 ))
