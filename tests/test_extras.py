@@ -84,11 +84,12 @@ def test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow(tmp_pat
     hidden = _run(["-c", "import tensorflow"], env, ok=False)
     assert hidden.returncode != 0 and "No module named 'tensorflow'" in hidden.stderr   # the hiding works
     short = ["--config.total_steps=4", "--config.eval_every=4", "--config.checkpoint_every=4", "--config.log_every=2"]
-    for config in ("configs/default.py:runlocal", "configs/mqar.py:runlocal"):
-        done = _run(["train.py", "--config", config, "--workdir", str(tmp_path / config.split("/")[1]), *short], env)
-        assert "done: step 4" in done.stdout, done.stdout
+    done = _run(["train.py", "--config", "configs/mqar.py:runlocal", "--workdir", str(tmp_path / "mqar"), *short], env)
+    assert "done: step 4" in done.stdout, done.stdout
+    # the default job (a FAVOR++ ViT): `bench train` below starts train.py on it with the same flags, in this
+    # environment, and passes its output through
     done = _run(["-c", BENCHES, str(tmp_path / "bench")], env)
-    assert "BENCHES DONE" in done.stdout
+    assert "BENCHES DONE" in done.stdout and "done: step 4, attention favor++" in done.stdout, done.stdout[-3000:]
     from favor.bench import cli
     assert set(cli.SUBCOMMANDS) == {"attention", "ratios", "parts", "steps", "generate", "train", "uptrain",
                                     "peers", "accel", "tune", "lora", "headline"}   # a new subcommand is added to BENCHES above
