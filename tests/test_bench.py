@@ -229,7 +229,7 @@ def test_bench_accel_checks_times_and_writes(tmp_path, monkeypatch):
         cli.main(["accel", "--kernel-precisions", "fp8"])
 
 
-def test_bench_tune_times_each_cut_against_the_tuning_table_and_restores_it(tmp_path):
+def test_bench_tune_times_each_cut_against_the_tuning_table_and_leaves_it_alone(tmp_path):
     """Every mode and precision asked for: the cut TUNING holds and each candidate, timed (interpret mode
     here: figures not asserted beyond being positive), ratios to TUNING's cut (1 for itself); the table
     is left as it was; a malformed cut is the parser's error naming it."""
@@ -247,7 +247,8 @@ def test_bench_tune_times_each_cut_against_the_tuning_table_and_restores_it(tmp_
         assert all(v["median_ms"] > 0 for v in r["results"].values())
         assert r["results"][r["tuning"]]["ratio"] == 1.0
     assert "## tune-cpu" in (tmp_path / "BENCHMARKS.md").read_text()
-    # each candidate is the program of its own cut: TUNING's cut lowers as a plain call does, another differs
+    # each candidate is the program of its own cut (attend's `cut`): TUNING's cut lowers as a plain call
+    # does, another differs
     inputs = tune._inputs(64, 1, 2, 16, 32)
     text = lambda cut: tune._lowered(True, "tf32x3", cut, inputs).as_text()
     def loss(xq, rq, xk, rk, v, p, c):                     # named as tune's, so the module names match

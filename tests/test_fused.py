@@ -430,8 +430,9 @@ CHUNK16 = 16        # the kernel's smallest chunk (fused._pow2's floor)
 def _attend32(args, causal, segments):
     xq, rq, pq, cq, xk, rk, pk, ck, v, mask = args
     f32 = lambda a: jnp.asarray(a, jnp.float32)
+    cut = (CHUNK16, *fused.tuning(causal, fused.PRECISION)[1:])         # the table's cut, chunks of 16
     return fused.attend(f32(xq), f32(rq), f32(pq), f32(cq), f32(xk), f32(rk), f32(pk), f32(ck), f32(v),
-                        jnp.asarray(mask), causal, chunk=CHUNK16, segments=segments)
+                        jnp.asarray(mask), causal, segments=segments, cut=cut)
 
 
 @pytest.mark.parametrize("causal", [False, True])

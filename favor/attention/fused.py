@@ -638,8 +638,8 @@ def _precision(precision):
     return precision
 
 
-def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=None, interpret=None,
-           num_warps=None, precision=None, segments=None):
+def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpret=None, precision=None,
+           segments=None, cut=None):
     """Linear attention over log φ_q = xq·pq + cq + rq and log φ_k = xk·pk + ck + rk with the fused
     kernels: xq [B, H, Lq, D], rq [B, H, Lq], xk, rk likewise over Lk, pq/pk [.., D, F] and cq/ck [.., F]
     with leading (batch, head) dims broadcast from the right, v [B, H, Lk, Dv], valid [B, Lk] or None.
@@ -647,11 +647,10 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=No
     its chunk's reference by more than EXCEEDANCE and the caller must use an exact path. Causal needs
     Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU.
     `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION). `segments`: the
-    most segments a sequence is split into (None: enough for SEGMENT_PROGRAMS programs). `chunk`,
-    `num_warps` None: the mode's and precision's TUNING."""
+    most segments a sequence is split into (None: enough for SEGMENT_PROGRAMS programs). `cut`: (chunk,
+    feature block, warps, stages) instead of the mode's and precision's TUNING entry (`bench tune`)."""
     precision = _precision(precision)
-    tuned_chunk, block, warps, stages = tuning(causal, precision)
-    chunk, launch = chunk or tuned_chunk, (num_warps or warps, stages)
+    chunk, block, *launch = cut or tuning(causal, precision)
     b, h, lq, _ = xq.shape
     lk, dv = xk.shape[2], v.shape[-1]
     if causal and lq != lk:
@@ -673,19 +672,18 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, chunk=No
     programs = b * h * (fp // fb)
     sk = _segments(lkp // c, programs, segments)
     segs = (sk, sk) if causal else (_segments(lqp // c, programs, segments), sk)
-    out, amax = _core(*ops, causal, c, fb, segs, bool(interpret), launch, precision)
+    out, amax = _core(*ops, causal, c, fb, segs, bool(interpret), tuple(launch), precision)
     return out[:, :, :lq, :dv], amax > EXCEEDANCE
 
 
-def prefill(xk, rk, pk, ck, v, valid=None, chunk=None, interpret=None, num_warps=None, segments=None,
-            precision=None):
+def prefill(xk, rk, pk, ck, v, valid=None, interpret=None, segments=None, precision=None, cut=None):
     """The decoding state after keys log φ_k = xk·pk + ck + rk and values v (shapes as in `attend`),
     computed by the key-state kernel: (τ [B, H, F], the per-feature key maximum, −inf where no valid key;
     Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), decoding.decode_prefill's "tau" and "sum". Not
-    differentiable (a prompt's prefill). Cut and launched as a bidirectional call (TUNING)."""
+    differentiable (a prompt's prefill). Cut and launched as a bidirectional call (TUNING; `cut` as in
+    `attend`)."""
     precision = _precision(precision)
-    tuned_chunk, block, warps, stages = tuning(False, precision)
-    chunk, launch = chunk or tuned_chunk, (num_warps or warps, stages)
+    chunk, block, *launch = cut or tuning(False, precision)
     b, h, lk, _ = xk.shape
     dv, f = v.shape[-1], pk.shape[-1]
     if interpret is None:
@@ -699,7 +697,7 @@ def prefill(xk, rk, pk, ck, v, valid=None, chunk=None, interpret=None, num_warps
     fb = min(block, fp)
     seg = _segments(lkp // c, b * h * (fp // fb), segments)
     states = _call(_key_state_kernel, _key_inputs(*ops), _state_outs(b, h, seg, fp, v.shape[-1]),
-                   (b, h, fp // fb, seg), fb, bool(interpret), launch, precision, c=c)
+                   (b, h, fp // fb, seg), fb, bool(interpret), tuple(launch), precision, c=c)
     tau, t, z = _total(*states)
     tau, t, z = tau[..., :f], t[..., :f, :dv], z[..., :f]
     return jnp.where(tau > 0.5 * LOW, tau, -jnp.inf), jnp.concatenate([t, z[..., None]], -1)

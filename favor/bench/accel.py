@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import pathlib
-import random
 import statistics
 import time
 
@@ -90,15 +89,15 @@ def compile_all(lowered):
 
 
 def ready(lowered, args):
-    """({name: compiled program, called once on `args`}, {name: why it failed}) of {name: jax Lowered}:
-    compiled in parallel (`compile_all`); a program that fails to compile or to run (out of memory, say)
-    is reported, not raised."""
+    """({name: compiled program, called once on its arguments}, {name: why it failed}) of {name: jax
+    Lowered}; `args`: the arguments of every program, or {name: its arguments}. Compiled in parallel
+    (`compile_all`); a program that fails to compile or to run (out of memory, say) is reported, not raised."""
     programs, failed = {}, {}
     for name, compiled in compile_all(lowered).items():
         try:
             if isinstance(compiled, Exception):
                 raise compiled
-            jax.block_until_ready(compiled(*args))                                     # warm
+            jax.block_until_ready(compiled(*(args[name] if isinstance(args, dict) else args)))   # warm
             programs[name] = compiled
         except Exception as e:                                     # noqa: BLE001 — reported, not hidden
             failed[name] = error_text(e)
@@ -277,7 +276,7 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
     for length in lengths:
         batch = max(1, tokens // length)
         ids = jax.random.randint(jax.random.PRNGKey(0), (batch, length), 0, 4000)
-        programs, lowered = {}, {}
+        lowered, inputs, failed = {}, {}, {}
         for name, spec, impl in entries(kind_specs, precisions):
             kind, opts = attention.parse_spec(spec)
             block = {"kind": kind, **opts}
@@ -299,37 +298,20 @@ def decoder_steps(kind_specs, precisions, lengths, rounds, dtype, tokens):
                     value, grads = jax.value_and_grad(loss)(params)
                     updates, opt_state = tx.update(grads, opt_state, params)
                     return optax.apply_updates(params, updates), opt_state, value
-                state = [params, tx.init(params), rest]
+                state = (params, tx.init(params), rest)
                 lowered[name] = step.lower(*state, ids)
-                programs[name] = state
+                inputs[name] = (*state, ids)
             except Exception as e:                                 # noqa: BLE001 — reported, not hidden
-                programs[name] = error_text(e)
-        for name, compiled in compile_all(lowered).items():
-            try:
-                if isinstance(compiled, Exception):
-                    raise compiled
-                state = programs[name]
-                state[:2] = compiled(*state, ids)[:2]                                 # warm
-                jax.block_until_ready(state)
-                programs[name] = (compiled, state)
-            except Exception as e:                                 # noqa: BLE001 — reported, not hidden
-                programs[name] = error_text(e)
-        times = {n: [] for n, p in programs.items() if not isinstance(p, str)}
-        order, rnd = list(times), random.Random(0)
-        for _ in range(rounds):
-            rnd.shuffle(order)
-            for n in order:
-                step, state = programs[n]
-                t0 = time.perf_counter()
-                out = step(*state, ids)
-                jax.block_until_ready(out)
-                times[n].append(time.perf_counter() - t0)
-                state[:2] = out[:2]
-        res = {n: ({"error": p} if isinstance(p, str) else
+                failed[name] = error_text(e)
+        programs, why = ready(lowered, inputs)
+        failed.update(why)
+        # every round runs a step from the same state: the computation of a run's next step
+        times = round_robin({n: (p, inputs[n], 1.0) for n, p in programs.items()}, rounds, 0, warm=False)
+        res = {n: ({"error": failed[n]} if n in failed else
                    {"tokens_per_s": batch * (length - 1) / statistics.median(times[n]),
                     "ratio": statistics.median(a / b for a, b in zip(times[n], times["softmax"]))
                     if "softmax" in times else None})
-               for n, p in programs.items()}
+               for n, *_ in entries(kind_specs, precisions)}
         rows.append({"length": length, "batch": batch, "results": res})
         print(f"decoder L={length} B={batch}: " + ", ".join(
             f"{n} {r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else f"{n} —" for n, r in res.items()),

@@ -56,21 +56,10 @@ def _inputs(length, batch, heads, d, f, seed=0):
 
 
 def _lowered(causal, precision, cut, inputs):
-    """The kernels' forward+backward at `cut`, lowered while TUNING holds it for this mode and precision
-    (the kernel reads TUNING while it is traced); TUNING is restored after."""
-    key = ("causal" if causal else "bidirectional", precision)
-    saved = fused.TUNING.get(key)
-    fused.TUNING[key] = cut
-
+    """The kernels' forward+backward cut and launched as `cut` (chunk, feature block, warps, stages), lowered."""
     def loss(xq, rq, xk, rk, v, p, c):
-        return jnp.sum(fused.attend(xq, rq, p, c, xk, rk, p, c, v, None, causal, precision=precision)[0])
-    try:
-        return jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))).lower(*inputs)
-    finally:
-        if saved is None:
-            del fused.TUNING[key]
-        else:
-            fused.TUNING[key] = saved
+        return jnp.sum(fused.attend(xq, rq, p, c, xk, rk, p, c, v, None, causal, precision=precision, cut=cut)[0])
+    return jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))).lower(*inputs)
 
 
 def measure(causal, precision, length, batch, cuts, rounds, shape, seed=0):
