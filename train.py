@@ -4,7 +4,9 @@
 
 Configs are locked: overriding a key the config does not have is an error naming it. Every value is
 checked (favor.job.validate) before anything is built or compiled; a bad one ends the run with
-one last line `error: config.<key>=<value>: <what is allowed>` and exit status 2.
+one last line `error: config.<key>=<value>: <what is allowed>` and exit status 2. A --workdir is a new
+directory or the directory of the run to resume (favor.rundir): one that holds a run of another
+configuration, or a checkpoint of another model, is refused the same way, and left as it was.
 """
 
 import logging
@@ -126,12 +128,12 @@ def main(argv):
     from favor import job                 # the training stack, loaded once the flags have parsed
     try:
         job.validate(config)        # job.run checks again; here the error is one line, not a traceback
-    except (configlib.ConfigError, extras.MissingExtra) as e:
+    except (configlib.UsageError, extras.MissingExtra) as e:
         fail(str(e))
     try:
         summary = job.run(config, FLAGS.value)
-    except (extras.MissingExtra, configlib.ConfigError) as e:   # a pipeline whose optional packages are not
-        fail(str(e))                      # installed, or a value only the built job can judge
+    except (extras.MissingExtra, configlib.UsageError) as e:   # a pipeline whose optional packages are not
+        fail(str(e))   # installed, a value only the built job can judge, a workdir or checkpoint of another run
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]
     fixed = {"step", "train_loss", "steps_per_second", "attention", "checkpoint_dir", "tensorboard_dir", "preempted",

@@ -6,6 +6,10 @@ afterwards (a truncated or deleted file, a flipped byte) must still never be res
 records a fingerprint of the state (per-leaf sums, computed on device) beside it, and a restore that
 fails or does not reproduce the fingerprint is skipped with a warning and renamed `<step>.damaged-N`
 (kept for inspection, never listed again), falling back to the previous step.
+
+A step that reads fine but holds another tree or other shapes than the model's is not damaged: it is
+another model's run, and restoring it is refused (`Mismatch`) before anything is read, renamed or
+deleted. The directory is made by the first save, not before: a start that fails leaves none.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from favor.configcheck import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,42 @@ def _quiet_late_reads():
     sys.unraisablehook = hook
 
 
+class Mismatch(UsageError):
+    """A checkpoint whose tree or shapes are not the model's: a run of another configuration."""
+
+
+def dotted(path) -> str:
+    """'layers.0.attention.query.kernel' for a pytree key path (an nnx.State's or a checkpoint's tree,
+    where every Variable is saved as {'value': array})."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if parts and parts[-1] == "value":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _saved_shape(leaf) -> tuple:
+    # a typed PRNG key is saved as its raw key data: the key's shape and then the key's own, (2,) for threefry
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+    return tuple(leaf.shape)
+
+
+def shapes(tree) -> dict:
+    """{dotted path: shape as saved} of a tree of arrays, ShapeDtypeStructs or orbax's array metadata."""
+    return {dotted(p): _saved_shape(leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def mismatch(saved: dict, wanted: dict, most: int = 3) -> str:
+    """How a checkpoint's {path: shape} differs from the model's, in words ("" when it does not)."""
+    out = [f"{p} is not in the checkpoint" for p in sorted(set(wanted) - set(saved))]
+    out += [f"{p} is in the checkpoint but not in the model" for p in sorted(set(saved) - set(wanted))]
+    out += [f"{p} has shape {saved[p]} in the checkpoint, {wanted[p]} in the model"
+            for p in sorted(set(saved) & set(wanted)) if saved[p] != wanted[p]]
+    more = f" and {len(out) - most} more differences" if len(out) > most else ""
+    return "; ".join(out[:most]) + more
+
+
 @jax.jit
 def fingerprint(state):
     return [jnp.sum(jnp.abs(x.astype(jnp.float32))) + jnp.sum(x.astype(jnp.float32))
@@ -77,16 +119,34 @@ def _leaves_ok(a, b):
 
 
 class Checkpointer:
-    def __init__(self, directory, keep: int = 3, asynchronous: bool = True):
+    """`read_only`: a tool's reader, which neither saves nor sets a damaged step aside."""
+
+    def __init__(self, directory, keep: int = 3, asynchronous: bool = True, read_only: bool = False):
         self.directory = Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                                 enable_async_checkpointing=asynchronous))
+        self.read_only = read_only
+        self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
+                                                     read_only=read_only)
+        self._manager = None
 
     restored_meta: dict | None = None    # the metadata of the step restore_latest returned
 
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        # made on first use: orbax creates a missing directory, which only a save may do
+        if self._manager is None:
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+        return self._manager
+
     def steps(self):
-        return sorted(self.manager.all_steps())
+        return sorted(self.manager.all_steps()) if self.directory.is_dir() else []
+
+    def saved_shapes(self, step: int) -> dict:
+        """{dotted path: shape} of the state saved at `step`, from its metadata (no array is read)."""
+        tree = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state").item_metadata
+        saved = shapes(getattr(tree, "tree", tree))
+        if not saved:    # orbax warns and returns no tree when the metadata does not read
+            raise ValueError(f"the metadata of checkpoint {step} in {self.directory} does not read")
+        return saved
 
     def save(self, step: int, state, meta: dict):
         """Starts an async save of `state` (a pytree of arrays) with a JSON `meta` beside it."""
@@ -95,12 +155,23 @@ class Checkpointer:
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
     def wait(self):
-        self.manager.wait_until_finished()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
 
     def restore_latest(self, abstract_state):
-        """(state, meta, step) of the newest whole checkpoint, or None when there is none."""
+        """(state, meta, step) of the newest whole checkpoint, or None when there is none. A step whose
+        tree or shapes differ from `abstract_state`'s is a `Mismatch` error, not a damaged step."""
         _quiet_late_reads()    # before the first read: a failed one's stragglers may end at any time
+        wanted = shapes(abstract_state)
         for step in reversed(self.steps()):
+            try:
+                differs = mismatch(self.saved_shapes(step), wanted)
+            except Exception:    # unreadable metadata: damage, which the restore below reports
+                differs = ""
+            if differs:
+                raise Mismatch(f"checkpoint {step} in {self.directory} does not fit this model: {differs}. It is a "
+                               f"run of another configuration; train in another --workdir, or start from it with "
+                               f"--config.model.init_from=run:{self.directory.parent}")
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
@@ -120,7 +191,9 @@ class Checkpointer:
 
     def _set_aside(self, step):
         """Rename a damaged step to <step>.damaged-N: kept for inspection, no longer a step, and the
-        rerun may save that step number again."""
+        rerun may save that step number again. A reader leaves it where it is."""
+        if self.read_only:
+            return
         src = self.directory / str(step)
         n = 0
         while (self.directory / f"{step}.damaged-{n}").exists():
@@ -130,5 +203,6 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self):
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()

@@ -9,7 +9,12 @@ import math
 import re
 
 
-class ConfigError(ValueError):
+class UsageError(ValueError):
+    """An input the user gave that a run cannot take (a config value, a run directory, a checkpoint of
+    another model): its message is the whole story, so train.py prints it as one line and exits 2."""
+
+
+class ConfigError(UsageError):
     """A config value that is not allowed: `config.<key>=<value>: <what is allowed>`."""
 
     def __init__(self, key: str, value, allowed: str):

@@ -18,9 +18,9 @@ from favor import strings
 # the helpers configs are written and checked with, for the tools that build or change configs
 from favor.configbase import (OPTIM_DEFAULTS, OPTIM_OPTIONAL, apply_flag, attention, choice,  # noqa: F401
                               missing_key, optim, parse_arg, run_config, values)
-from favor.configcheck import ConfigError, describe_type, get  # noqa: F401
+from favor.configcheck import ConfigError, UsageError, describe_type, get  # noqa: F401
 
-__all__ = ["ConfigError", "OPTIM_DEFAULTS", "OPTIM_OPTIONAL", "apply_flag", "attention", "choice", "describe_type",
+__all__ = ["ConfigError", "UsageError", "OPTIM_DEFAULTS", "OPTIM_OPTIONAL", "apply_flag", "attention", "choice", "describe_type",
            "get", "load", "load_module", "missing_key", "optim", "parse_arg", "run_config", "values"]
 
 # -- loading a config file -----------------------------------------------------------------------------

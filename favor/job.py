@@ -24,11 +24,10 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from favor import checkpoint, data, models, sharding, tasks, uptrain
+from favor import checkpoint, data, models, rundir, sharding, tasks, uptrain
 from favor.configcheck import ConfigError, integer
 from favor import attention as attention_lib
 from favor.attention import schedule
-from favor.data import atomic
 from favor.train import optim, stage as stage_lib
 from favor.train.loop import StageRun, Summary, train_loop
 from favor.train.steps import (eval_step, evaluate, evaluate_stage, init_state, loss_fn, stage_step, train_step,
@@ -347,13 +346,12 @@ def run(config, workdir) -> Summary:
     t_start = time.perf_counter()
     validate(config)                     # every key, before anything is built or compiled
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    rundir.check(config, workdir)        # a new directory, or this config's own run (resumed)
+    # Nothing is written to the workdir until every check below has passed (the data, the model, the
+    # checkpoint's fit, the source of init_from): a start that fails leaves it as it was.
     mesh = sharding.make_mesh(config.mesh)
     config = with_tokenizer(config, workdir)
-    if jax.process_index() == 0:         # the whole config, overrides applied: what favor.tools.report compares
-        atomic.write_text(workdir / "config.json", config.to_json(indent=1))
     source, task = make_data(config)
-    uptrain.record_tokenizer(source, workdir)
     model = make_model(config, source)
     layout = make_layout(model, mesh, config.sharding_rules, source)
     step_fn = make_train_step(config, model, task, layout)
@@ -362,9 +360,11 @@ def run(config, workdir) -> Summary:
         state = calibrate_statistics(config, model, task, source, layout, state)
     t_start -= float((ckpt.restored_meta or {}).get("wall_seconds", 0.0))   # a resumed run's clock goes on
     evaluate_fn = make_evaluate(config, model, task, source, layout)
+    stages = make_stage_runs(config, model, task, source, layout)
+    rundir.record(config, workdir)
+    uptrain.record_tokenizer(source, workdir)
     return train_loop(config, workdir, state, start, step_fn=step_fn, evaluate_fn=evaluate_fn, ckpt=ckpt,
-                      source=source, layout=layout, t_start=t_start,
-                      stages=make_stage_runs(config, model, task, source, layout),
+                      source=source, layout=layout, t_start=t_start, stages=stages,
                       eval_first=bool(config.model.get("init_from")), trainable=model.trainable)
 
 

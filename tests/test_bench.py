@@ -1,9 +1,12 @@
 """The benchmark command runs and writes its table and JSON (figures themselves are not asserted)."""
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -12,6 +15,36 @@ import pytest
 
 from favor import attention
 from favor.bench import cli, common, ratios, sections
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _committed_copy(tmp_path, monkeypatch, section):
+    """A copy of the checkout's BENCHMARKS.md and committed bench/<section>.* made the working directory, and
+    the temporary directories made under tmp_path: a run that wrote to the committed path would change the
+    copy, and the real checkout is never at risk. Returns the copy's {path: sha256}."""
+    copy = tmp_path / "checkout"
+    (copy / "bench").mkdir(parents=True)
+    shutil.copy(ROOT / "BENCHMARKS.md", copy)
+    for path in (ROOT / "bench").glob(f"{section}.*"):
+        shutil.copy(path, copy / "bench")
+    monkeypatch.chdir(copy)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return _hashes(copy)
+
+
+def _hashes(folder):
+    return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def _quick_out(said, tmp_path, what, section):
+    """The directory a quick run without --out named on its last line, checked to be a fresh one of its own."""
+    line = said.rstrip().splitlines()[-1]
+    out = Path(line.split(" and ")[0].removeprefix("quick run: wrote ")).parent
+    assert line == (f"quick run: wrote {out}/BENCHMARKS.md and {out}/bench/{section}.* (a smoke run; the "
+                    "committed figures are untouched)"), line
+    assert out.parent == tmp_path and out.name.startswith(f"favor-bench-{what}-quick-"), out
+    return out
 
 
 def test_bench_attention_writes_table_and_json(tmp_path):
@@ -227,9 +260,28 @@ def test_bench_accel_checks_times_and_writes(tmp_path, monkeypatch):
     assert png.stat().st_size > 0
     with pytest.raises(SystemExit):
         cli.main(["accel", "--kernel-precisions", "fp8"])
+    assert not data["meta"]["quick"] and sections.SMOKE not in md
 
 
-def test_bench_tune_times_each_cut_against_the_tuning_table_and_leaves_it_alone(tmp_path):
+def test_bench_accel_quick_leaves_the_committed_figures_alone(tmp_path, monkeypatch, capsys):
+    """`accel --quick` without --out, from a copy of the committed section and figures: it writes a fresh
+    temporary directory it names, marked as a smoke run, and the committed files stay byte for byte
+    (the budget spent at once: the grid listed as not run; the decoder step of softmax alone, on a small
+    decoder)."""
+    from favor.bench import accel
+    monkeypatch.setattr(accel, "DECODER", dict(hidden=32, heads=2, num_layers=1, mlp_dim=64))
+    before = _committed_copy(tmp_path, monkeypatch, "accel-cpu")
+    cli.main(["accel", "--quick", "--budget", "0", "--decoder-kinds", "softmax"])
+    assert _hashes(tmp_path / "checkout") == before
+    out = _quick_out(capsys.readouterr().out, tmp_path, "accel", "accel-cpu")
+    data = json.loads((out / "bench" / "accel-cpu.json").read_text())
+    assert data["meta"]["quick"] and all("budget" in r["note"] for r in data["rows"]) and data["decoder"]
+    section = (out / "BENCHMARKS.md").read_text().split("<!-- accel-cpu:begin -->")[1].strip().splitlines()
+    assert section[0].endswith("python -m favor.bench accel --quick --budget 0 --decoder-kinds softmax`)")
+    assert section[2] == sections.SMOKE
+
+
+def test_bench_tune_times_each_cut_against_the_tuning_table_and_leaves_it_alone(tmp_path, monkeypatch, capsys):
     """Every mode and precision asked for: the cut TUNING holds and each candidate, timed (interpret mode
     here: figures not asserted beyond being positive), ratios to TUNING's cut (1 for itself); the table
     is left as it was; a malformed cut is the parser's error naming it."""
@@ -246,7 +298,9 @@ def test_bench_tune_times_each_cut_against_the_tuning_table_and_leaves_it_alone(
         assert set(r["results"]) == {r["tuning"], "16x32x4x1"}
         assert all(v["median_ms"] > 0 for v in r["results"].values())
         assert r["results"][r["tuning"]]["ratio"] == 1.0
-    assert "## tune-cpu" in (tmp_path / "BENCHMARKS.md").read_text()
+    data = json.loads((tmp_path / "bench" / "tune-cpu.json").read_text())
+    assert data["meta"]["quick"] and "## tune-cpu" in (tmp_path / "BENCHMARKS.md").read_text()
+    assert sections.SMOKE in (tmp_path / "BENCHMARKS.md").read_text()
     # each candidate is the program of its own cut (attend's `cut`): TUNING's cut lowers as a plain call
     # does, another differs
     inputs = tune._inputs(64, 1, 2, 16, 32)
@@ -262,11 +316,17 @@ def test_bench_tune_times_each_cut_against_the_tuning_table_and_leaves_it_alone(
             tune.parse_cut(bad)
     with pytest.raises(SystemExit):
         cli.main(["tune", "--cuts", "64x64", "--out", str(tmp_path)])
-    # a spent budget: every configuration listed as not run (nothing compiled), the table still whole
-    cli.main(["tune", "--quick", "--budget", "0", "--out", str(tmp_path / "spent")])
-    rows = json.loads((tmp_path / "spent" / "bench" / "tune-cpu.json").read_text())["rows"]
+    # a spent budget: every configuration listed as not run (nothing compiled), the table still whole; run
+    # without --out from a copy of the committed figures, which it leaves byte for byte, writing a fresh
+    # temporary directory it names instead
+    before = _committed_copy(tmp_path / "spent", monkeypatch, "tune-cpu")
+    capsys.readouterr()
+    cli.main(["tune", "--quick", "--budget", "0"])
+    assert _hashes(tmp_path / "spent" / "checkout") == before
+    out = _quick_out(capsys.readouterr().out, tmp_path / "spent", "tune", "tune-cpu")
+    rows = json.loads((out / "bench" / "tune-cpu.json").read_text())["rows"]
     assert len(rows) == 4 and all(r["results"] == {} and "budget" in r["note"] for r in rows)
-    section = (tmp_path / "spent" / "BENCHMARKS.md").read_text().split("## tune-cpu")[1]
+    section = (out / "BENCHMARKS.md").read_text().split("## tune-cpu")[1]
     table = [line for line in section.splitlines() if line.startswith("|")]
     assert len(table) == 6 and len({line.count("|") for line in table}) == 1, table
 

@@ -21,7 +21,7 @@ CONFIG_FILES = sorted(p.name for p in (ROOT / "configs").glob("*.py") if p.name 
 
 @pytest.mark.parametrize("module,arg", [
     (default, ""), (default, "runlocal"), (default, "kind=favor#,variant=saderf"),
-    (bert_glue, "task=mrpc"), (bert_glue, "task=stsb,runlocal"),
+    (bert_glue, "task=mrpc,vocab={tmp}/vocab.txt"), (bert_glue, "task=stsb,runlocal,vocab={tmp}/vocab.txt"),
     (bert_pretrain, ""), (bert_pretrain, "data=local"), (bert_pretrain, "runlocal"),
     (vit_imagenet, ""), (vit_imagenet, "variant=finetune,init={tmp}"), (vit_imagenet, "grid=16"),
     (vit_imagenet, "data=local"), (conformer_librispeech, ""), (conformer_librispeech, "data=local,kind=favor+"),

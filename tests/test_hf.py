@@ -158,22 +158,56 @@ def test_decoder_checkpoints_favor_cannot_compute_are_refused_by_name(hf_referen
     models.hf.load(gpt2)
 
 
-def test_a_decoder_run_starts_from_a_hugging_face_llama(hf_reference, docstrings_cache, tmp_path):
-    """configs/decoder_lm.py:init=<dir> takes the checkpoint's sizes, layout and rotary base, its weights
-    (init_from=hf:) and its tokenizer.json (a run rebuilt from it holds exactly the checkpoint's
-    parameters; training from there is the warm-start loop every init_from shares); a run configured by
-    hand with another rotary base is refused, naming the key and both values (the weights would load
-    and the model silently compute otherwise)."""
+def llama_with_tokenizer(hf_reference, tmp_path):
+    """A copy of the tiny Llama with a tokenizer.json of its own (a word-level one, trained here)."""
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
-    from favor import job
-    sys.path.insert(0, str(ROOT))
-    from configs import decoder_lm
     path = shutil.copytree(hf_reference / "LlamaForCausalLM", tmp_path / "llama")
     words = Tokenizer(tok_models.WordLevel(unk_token="<unk>"))          # ≤ the checkpoint's 101 entries
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.train_from_iterator(["return the value of the file in a list", "raise an error if the name is not found"] * 5,
                               trainers.WordLevelTrainer(vocab_size=100, special_tokens=["<unk>", "</s>"]))
     words.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_a_run_from_a_hugging_face_llama_keeps_its_tokenizer_and_generates(hf_reference, docstrings_cache,
+                                                                          tmp_path, capsys):
+    """The run records the checkpoint's tokenizer.json as it is (favor's record beside it, under another
+    name), and generation, a resumed run and a run that starts from this one all encode with it."""
+    from favor import job, uptrain
+    from favor.data import tokenizers
+    from favor.tools import generate
+    sys.path.insert(0, str(ROOT))
+    from configs import decoder_lm
+    path = llama_with_tokenizer(hf_reference, tmp_path)
+    config = decoder_lm.get_config(f"runlocal,kind=favor+,init={path}")
+    config.total_steps, config.checkpoint_every, config.eval_every, config.log_every = 2, 2, 2, 2
+    run = tmp_path / "run"
+    job.run(config, run)
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    text = ["return the value of the file", "raise an error if the name is not found"]
+    want = tokenizers.get(f"hf:{path}").ids(text)
+    assert tokenizers.get(uptrain.recorded_tokenizer(run)).ids(text) == want
+    assert generate.main(["--workdir", str(run), "--prompt", "return the value", "--max_tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("return the value")
+    config.total_steps = 3                                   # resumed: the record is kept as it is
+    job.run(config, run)
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    follow = decoder_lm.get_config("runlocal,kind=favor+")            # init_from=run: of that run
+    follow.model.init_from = f"run:{run}"
+    assert tokenizers.get(uptrain.tokenizer_spec(follow, tmp_path / "next")).ids(text) == want
+
+
+def test_a_decoder_run_starts_from_a_hugging_face_llama(hf_reference, docstrings_cache, tmp_path):
+    """configs/decoder_lm.py:init=<dir> takes the checkpoint's sizes, layout and rotary base, its weights
+    (init_from=hf:) and its tokenizer.json (a run rebuilt from it holds exactly the checkpoint's
+    parameters; training from there is the warm-start loop every init_from shares); a run configured by
+    hand with another rotary base is refused, naming the key and both values (the weights would load
+    and the model silently compute otherwise)."""
+    from favor import job
+    sys.path.insert(0, str(ROOT))
+    from configs import decoder_lm
+    path = llama_with_tokenizer(hf_reference, tmp_path)
     config = decoder_lm.get_config(f"runlocal,kind=favor+,init={path}")
     assert (config.model.rotary_base, config.model.heads, config.model.vocab_size) == (500.0, 4, 101)
     assert config.data.tokenizer == f"hf:{path}" and config.model.init_from == f"hf:{path}"

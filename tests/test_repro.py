@@ -1,13 +1,23 @@
 """`python -m favor.repro`: every reproduction's --quick run writes its three files, its table has the
 paper's columns, its figures are finite and the paper's ordering claims hold on them."""
 
+import hashlib
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from favor import repro
+from favor.repro import report
 from favor.repro.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # the columns each table must carry (the paper's quantity beside favor's)
 COLUMNS = {
@@ -51,11 +61,39 @@ TRAINED = {"listops-kernels": "LRA Table 1", "speech-kernels": "task check: soft
            "linearize": "LoLCATs: transfer + LoRA closes most of the gap"}
 
 
+def _hashes(folder):
+    return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def _committed_copy(tmp_path, name, monkeypatch):
+    """A copy of the checkout's committed repro/<name>/, made the working directory's repro/<name>/, and the
+    temporary directories made under tmp_path: a run that wrote to the committed path would change the
+    copy, and the real checkout is never at risk."""
+    copy = tmp_path / "checkout" / "repro" / name
+    shutil.copytree(ROOT / "repro" / name, copy)
+    monkeypatch.chdir(tmp_path / "checkout")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return copy
+
+
+QUICK_SAID = "(a smoke run; the committed figures are untouched)"
+
+
 @pytest.mark.parametrize("name", sorted(COLUMNS))
 def test_quick_run_writes_a_checked_report(name, tmp_path, capsys, monkeypatch):
+    """Without --out, from a copy of the committed outputs: the quick run writes a fresh temporary directory
+    it names, leaves the committed files byte for byte, and marks its table as a smoke run."""
     monkeypatch.setenv("FAVOR_DATA_DIR", str(tmp_path / "data"))       # the local corpora, built here
-    out = tmp_path / name
-    assert main([name, "--quick", "--out", str(out)]) == 0
+    committed = _committed_copy(tmp_path, name, monkeypatch)
+    before = _hashes(committed)
+    assert main([name, "--quick"]) == 0
+    said = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert said.startswith("quick run: wrote ") and said.endswith(QUICK_SAID), said
+    paths = said[len("quick run: wrote "):-len(QUICK_SAID) - 1].split(", ")
+    out = Path(paths[0]).parent
+    assert out.parent == tmp_path and out.name.startswith(f"favor-repro-{name}-quick-"), out
+    assert sorted(paths) == sorted(str(out / f"{name}.{ext}") for ext in ("png", "md", "json"))
+    assert _hashes(committed) == before
     files = {p.name for p in out.iterdir()}
     assert files == {f"{name}.png", f"{name}.md", f"{name}.json"} | ({"runs"} if name in TRAINED else set()), files
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -67,21 +105,63 @@ def test_quick_run_writes_a_checked_report(name, tmp_path, capsys, monkeypatch):
     failed = [claim for claim, ok in data["checks"] if not ok]
     assert data["checks"] and not failed, failed
     md = (out / f"{name}.md").read_text()
-    assert "| " + " | ".join(data["columns"]) + " |" in md and "--quick" in md
+    assert "| " + " | ".join(data["columns"]) + " |" in md and report.SMOKE in md and data["quick"]
     if name in TRAINED:
         assert any(TRAINED[name] in text for text, _ in data["comparisons"]), data["comparisons"]
         # every run trained on something: a batch whose rows were all dropped has loss 0
         losses = [json.loads(p.read_text())["train_loss"] for p in (out / "runs").rglob("summary.json")]
         assert losses and all(loss > 0 for loss in losses), losses
-        # a second call reuses the finished sweeps (one, or a source and its uptraining): every run
-        # skipped, nothing retrained, the same figures
+        # a second call given that directory as --out reuses the finished sweeps there (one, or a source and
+        # its uptraining): every run skipped, nothing retrained, the same figures
         listings = sorted((out / "runs").rglob("sweep.json"))
         runs = {p.parent: json.loads(p.read_text())["runs"] for p in listings}
         assert main([name, "--quick", "--out", str(out)]) == 0
+        assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(f"wrote {out / name}.")
         for where, listed in runs.items():
             log = (where / "sweep.log").read_text().split("### ")[-1]
             assert log.count("finished already; skipped") == len(listed) and "started run" not in log, log
         assert json.loads((out / f"{name}.json").read_text())["figures"] == data["figures"]
+
+
+def test_out_is_where_asked_and_only_a_full_run_defaults_to_the_committed_outputs(tmp_path, capsys, monkeypatch):
+    """An explicit --out is written, even at the committed path and with --quick; a full run without it
+    writes repro/<name>; a quick run refused before writing leaves no temporary directory behind."""
+    name = "simrf-mse"
+    committed = _committed_copy(tmp_path, name, monkeypatch)
+    before = _hashes(committed)
+    module = repro.get(name)
+    done = report.Report(title="t", protocol="p", columns=["a"], rows=[[1.0]], figures={}, plot=lambda fig: None)
+    monkeypatch.setattr(module, "run", lambda args: done)
+    assert main([name, "--quick", "--out", f"repro/{name}"]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(f"wrote repro/{name}/{name}.")
+    assert _hashes(committed).keys() == before.keys() and report.SMOKE in (committed / f"{name}.md").read_text()
+    assert main([name, "--out", str(tmp_path / "asked")]) == 0
+    assert report.SMOKE not in (tmp_path / "asked" / f"{name}.md").read_text()
+    (committed / f"{name}.md").write_text("stale")
+    assert main([name]) == 0
+    md = (committed / f"{name}.md").read_text()
+    assert md.startswith("## t") and report.SMOKE not in md
+
+    def refused(args):
+        raise ValueError("refused")
+    monkeypatch.setattr(module, "run", refused)
+    assert main([name, "--quick"]) == 2 and "error: refused" in capsys.readouterr().err
+    assert not list(tmp_path.glob("favor-repro-*"))
+
+
+def test_a_reproduction_that_trains_loads_the_checkouts_configs_from_any_directory(tmp_path):
+    """`python -m favor.repro linearize` run outside the checkout: its config imports its sibling
+    (`from configs import decoder_lm`) and the run gets as far as the sweep, here one of another config
+    in --workdir, refused on one line with exit code 2 (no traceback, no empty directory left)."""
+    (tmp_path / "runs" / "source").mkdir(parents=True)
+    (tmp_path / "runs" / "source" / "sweep.json").write_text(json.dumps({"config": "configs/other.py"}))
+    done = subprocess.run([sys.executable, "-m", "favor.repro", "linearize", "--quick", "--workdir", "runs"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "holds the sweep of another config" in lines[0], lines
+    assert not list(tmp_path.glob("favor-repro-*"))
 
 
 def test_list_names_every_reproduction(capsys):

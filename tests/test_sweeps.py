@@ -92,7 +92,9 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
         {"model.attention.kind": "favor#", "seed": 0},
         {"model.attention.kind": "hrf", "model.attention.lambda_": "gaussian", "seed": 0},
         {"model.attention.kind": "favor+", "model.attention.window": 8, "seed": 0}]
-    for config_spec in (spec, str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=300,seeds=2",
+    # GLUE needs a tokenizer: the config's (vocab=) or the source model's (init_from, as the sweep's docstring runs it)
+    glue_spec = str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=300,seeds=2,vocab=vocab.txt"
+    for config_spec in (spec, glue_spec,
                         str(ROOT / "configs/bert_pretrain.py") + ":data=local,seeds=1,kinds=softmax/favor#:saderf"):
         options = []
         for run in sweeps.load(config_spec):

@@ -206,8 +206,10 @@ def test_attention_transfer_lowers_the_attention_error_and_moves_only_the_chosen
     assert "transfer/mse_layer_0" in events.Tags()["tensors"]
 
     config.uptrain.trainable = "no_such_parameter"
-    with pytest.raises(ValueError, match="config.uptrain.trainable='no_such_parameter' selects no parameter"):
+    with pytest.raises(configlib.ConfigError, match="config.uptrain.trainable='no_such_parameter': selects no "
+                                                    "parameter of this model"):
         job.run(config, tmp_path / "none")
+    assert not (tmp_path / "none").exists()                  # a start that fails writes nothing
     for key, value, allowed in (("uptrain.transfer_steps", 31, "must be at most total_steps (30)"),
                                 ("uptrain.trainable", "(", "must be 'query_key', 'all', 'feature_maps', 'lora' or a regular")):
         bad = config.copy_and_resolve_references()
@@ -300,7 +302,7 @@ def test_pretraining_tokenizer_travels_to_glue_fine_tuning(corpus, tmp_path, cap
     pre.total_steps, pre.checkpoint_every, pre.eval_every = 4, 4, 4
     job.run(pre, tmp_path / "pretrain")
     recorded = tmp_path / "pretrain" / "tokenizer"
-    assert json.loads((recorded / "tokenizer.json").read_text()) == {"spec": "sentencepiece:sentencepiece.model"}
+    assert json.loads((recorded / "favor_tokenizer.json").read_text()) == {"spec": "sentencepiece:sentencepiece.model"}
     cached = sorted((corpus / "favor_tokenizers").glob("*.model"))      # the one pretraining trained and used
     assert len(cached) == 1
 

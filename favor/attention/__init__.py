@@ -10,8 +10,9 @@
 from favor.attention.dropin import attention_fn
 from favor.attention.kinds import Attention, RandomFeatureAttention, RandomFeatureContext
 from favor.attention.registry import (SPEC_OPTIONS, BlockError, block_options, block_redraw, get,
-                                      ignored_block_options, names, parse_spec, parse_specs, read_block)
+                                      ignored_block_options, learned_kinds, names, parse_spec, parse_specs,
+                                      read_block)
 
 __all__ = ["SPEC_OPTIONS", "Attention", "RandomFeatureAttention", "RandomFeatureContext", "attention_fn",
-           "block_options", "block_redraw", "get", "ignored_block_options", "names", "parse_spec", "parse_specs",
-           "BlockError", "read_block"]
+           "block_options", "block_redraw", "get", "ignored_block_options", "learned_kinds", "names", "parse_spec",
+           "parse_specs", "BlockError", "read_block"]

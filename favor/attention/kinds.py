@@ -17,6 +17,7 @@ attended (running statistics a model keeps, or `attn.statistics(...)` of a prefi
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any
 
 import jax
@@ -674,10 +675,15 @@ class RandomFeatureAttention(FeatureAttention):
         return self.mech.adapt_draw(draw, params)
 
     # -- the fused kernel ---------------------------------------------------------------------------
+    @property
+    def fused_features(self) -> bool:
+        """Whether the kernel computes this kind's features (its maps are exponential log-linear forms)."""
+        return isinstance(self.mech, kernels.exponential.ExponentialMechanism)
+
     def fused_unavailable(self):
         """Why the fused kernel (favor.attention.fused) cannot run this kind and options; None if it can."""
-        if not isinstance(self.mech, kernels.exponential.ExponentialMechanism):
-            return ("covers the positive exponential kinds (favor+, favor++, favor#, simrf), not "
+        if not self.fused_features:
+            return (f"covers the positive exponential kinds ({', '.join(fused_kinds())}), not "
                     f"{self.name}'s {self.mech.name} features")
         if self.window:
             return "has no window band (window=0 only)"
@@ -788,6 +794,13 @@ def _rf_kind(kind_name, mechanism, doc, extra_options=None, mech_options=None, s
     Kind.__name__ = Kind.__qualname__ = "".join(p.capitalize() for p in kind_name.replace("+", "plus")
                                                  .replace("#", "sharp").split("-")) + "Attention"
     return Kind
+
+
+@functools.cache
+def fused_kinds() -> tuple[str, ...]:
+    """The kinds whose features the fused kernel computes (each with its default options), in KINDS order."""
+    return tuple(cls.name for cls in KINDS if issubclass(cls, RandomFeatureAttention)
+                 and cls(**cls.OPTIONS).fused_features)
 
 
 def _choice(kind, key, value, allowed):

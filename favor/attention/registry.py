@@ -19,6 +19,11 @@ OWN_DEFAULT = ("coupling", "redraw", "impl", *SPEC_OPTIONS)
 names = REGISTRY.names      # every attention kind
 
 
+def learned_kinds() -> tuple[str, ...]:
+    """The kinds whose feature map is learned (parameters of the layer that holds them: Hedgehog, T2R)."""
+    return tuple(name for name, cls in REGISTRY.entries.items() if getattr(cls, "learned", False))
+
+
 def get(kind, **options):
     """An attention kind with options (`kind` may come as a keyword, as in get(**block_options(block)));
     an unknown kind or option is a ValueError listing valid ones."""
@@ -100,8 +105,9 @@ def read_block(block, *, from_config: bool) -> tuple[str, dict, dict]:
 
     from_config: a config's `model.attention` block (configlib.attention), which carries every kind's
     options: those the kind does not take are dropped (`block_options`; `ignored_block_options` names
-    them) and its redraw schedule is checked. Otherwise a model's own `attention=` (a kind name or a
-    dict), where an option the kind does not take is an error. Errors are BlockErrors naming the key."""
+    them) unless set to ask for what the kind cannot give (`_check_requests`: an error), and its redraw
+    schedule is checked. Otherwise a model's own `attention=` (a kind name or a dict), where an option
+    the kind does not take is an error. Errors are BlockErrors naming the key."""
     if isinstance(block, str):
         block = {"kind": block}
     if not hasattr(block, "keys") or "kind" not in block:
@@ -117,6 +123,7 @@ def read_block(block, *, from_config: bool) -> tuple[str, dict, dict]:
                 schedule.parse(block["redraw"])
             except ValueError:
                 raise BlockError("redraw", block["redraw"], f"must be {schedule.HELP}") from None
+        _check_requests(block)
         block = block_options(block)
     options = {k: v for k, v in block.items() if k != "kind"}
     try:
@@ -130,6 +137,32 @@ def read_block(block, *, from_config: bool) -> tuple[str, dict, dict]:
         alone = [k for k in options if _fails(kind, k, options[k])]
         raise BlockError(alone[0] if alone else None, options[alone[0]] if alone else block, str(e)) from None
     return kind, options, qk
+
+
+# the impl values every kind honours: each runs on XLA ("auto" is XLA where a kind has nothing else)
+PORTABLE_IMPLS = ("auto", "xla")
+
+
+def _check_requests(block) -> None:
+    """A config block carries every kind's options and drops those its kind does not take; but an option set
+    to ask for something the kind cannot give is an error, not a silent no-op: an implementation other than
+    XLA for a kind without one, a learned window mix without a window to mix."""
+    kind, cls = block["kind"], REGISTRY.entries[block["kind"]]
+    impl = block.get("impl")
+    if impl and impl not in PORTABLE_IMPLS and "impl" not in cls.OPTIONS:
+        takers = [name for name, c in REGISTRY.entries.items()
+                  if "impl" in c.OPTIONS and not _fails(name, "impl", impl)]
+        what = " (the fused kernel)" if impl.startswith("pallas") else ""
+        where = f"impl={impl!r}{what} is for {', '.join(takers)}" if takers else f"no kind takes impl={impl!r}"
+        raise BlockError("impl", impl, f"{kind} runs on XLA alone: impl must be '', "
+                                       f"{' or '.join(map(repr, PORTABLE_IMPLS))} for it; {where}")
+    if "window_mix" in cls.OPTIONS and block.get("window_mix") == "learned" and not block.get("window"):
+        # the kind alone reads learned-without-window as "nothing to mix"; a config that asks for the mix (and
+        # in attention transfer trains it) without a band asks for a parameter no layer then has
+        raise BlockError("window_mix", "learned", "the learned mix weighs the window's exact band against the "
+                                                  "kind's features, so it needs a window: model.attention.window "
+                                                  "> 0 (exact softmax for |i − j| ≤ window); without one "
+                                                  "window_mix must be 'shared'")
 
 
 def _fails(kind, key, value) -> bool:

@@ -460,7 +460,9 @@ def add_parser(sub):
     p.add_argument("--check-length", type=int, default=1000, help="the check's sequence length")
     p.add_argument("--quick", action="store_true",
                    help="CPU-sized: L = 128, 256; favor+ and favor# only; D = 64; 2 rounds; decoder at L = 128")
-    p.add_argument("--out", default=".")
+    p.add_argument("--out", default=None,
+                   help="where BENCHMARKS.md and bench/ are (default: '.', the committed figures from the checkout's "
+                        "root; with --quick a new temporary directory, so a smoke run never replaces them)")
     p.add_argument("--section", default=None, help="default: accel-<device>")
     p.add_argument("--section-suffix", default="", help="appended to the section's name")
     p.add_argument("--replot", default=None, metavar="JSON",
@@ -488,11 +490,14 @@ def main(args, flags, argv, parser):
     section = (args.section or ("accel-cpu" if jax.default_backend() == "cpu" else f"accel-{device}")) + args.section_suffix
     meta = sections.machine(argv, tokens=tokens, rounds=rounds, max_ms=args.max_ms, features=F, width=WIDTH,
                             decoder_dtype=jnp.dtype(dtypes[0]).name,
-                            check_length=200 if args.quick else args.check_length)
+                            check_length=200 if args.quick else args.check_length, quick=args.quick)
     meta["kernel_precisions"] = list(precisions)
+    out = sections.resolve_out(args.out, "accel", args.quick)
     checks = check(kinds, precisions, length=200 if args.quick else args.check_length) if args.check else []
-    progress = lambda names, rows: write(names, rows, [], checks, meta, args.out, section, with_plot=False)
+    progress = lambda names, rows: write(names, rows, [], checks, meta, out, section, with_plot=False)
     names, rows = run(kinds, precisions, lengths, dtypes, head_dims, modes, passes, tokens, rounds, args.budget,
                       args.max_ms, progress)
     dec_rows = decoder_steps(dec_kinds, precisions, dec_lengths, rounds, dtypes[0], tokens) if dec_lengths else []
-    write(names, rows, dec_rows, checks, meta, args.out, section)
+    write(names, rows, dec_rows, checks, meta, out, section)
+    if args.out is None and args.quick:
+        sections.said_quick(out, section)

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from favor import extras
+from favor.configcheck import UsageError
 from favor.bench import accel, attention, generate, headline, lora, parts, peers, ratios, steps, train, tune, uptrain
 
 SUBCOMMANDS = {"attention": attention, "ratios": ratios, "parts": parts, "train": train, "steps": steps,
@@ -31,5 +32,5 @@ def main(argv=None):
     args = parser.parse_args(argv_main)
     try:
         return SUBCOMMANDS[args.what].main(args, flags, argv, parser)
-    except extras.MissingExtra as e:      # a config whose data pipeline needs an optional package
-        parser.exit(2, f"error: {e}\n")
+    except (extras.MissingExtra, UsageError) as e:   # a config whose data pipeline needs an optional package,
+        parser.exit(2, f"error: {e}\n")            # or a --workdir holding a run of another configuration

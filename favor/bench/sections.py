@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import re
+import tempfile
 from pathlib import Path
 
 import jax
@@ -117,7 +118,28 @@ def where(meta):
     return f"{meta['backend']} ({device}{meta['cpu_count']} cores), jax {meta['jax']}"
 
 
+SMOKE = ("*A `--quick` smoke run: CPU-sized settings that check the command runs end to end; its figures are "
+         "not results.*")
+
+
 def heading(section, meta):
-    """'## section (`[XLA_FLAGS=...] command`)'."""
+    """'## section (`[XLA_FLAGS=...] command`)', and under it, when meta says the run was `--quick`, the line
+    saying its figures are a smoke run's, not results."""
     flags = f"XLA_FLAGS='{meta['xla_flags']}' " if meta.get("xla_flags") else ""
-    return f"## {section} (`{flags}{meta['command']}`)"
+    head = f"## {section} (`{flags}{meta['command']}`)"
+    return head + "\n\n" + SMOKE if meta.get("quick") else head
+
+
+def resolve_out(out, what, quick):
+    """Where a subcommand writes BENCHMARKS.md and bench/: `out` when given; else a full run's "." (the
+    committed figures, from the checkout's root), a --quick run's fresh temporary directory: a smoke run's
+    figures must never replace the committed ones, nor be mistaken for them."""
+    if out is not None:
+        return out
+    return tempfile.mkdtemp(prefix=f"favor-bench-{what}-quick-") if quick else "."
+
+
+def said_quick(out, section):
+    """The line a --quick run without --out ends with: where it wrote, and that the committed figures stay."""
+    print(f"quick run: wrote {Path(out) / 'BENCHMARKS.md'} and {Path(out) / 'bench' / section}.* (a smoke run; "
+          "the committed figures are untouched)", flush=True)

@@ -103,7 +103,9 @@ def add_parser(sub):
     p.add_argument("--budget", type=float, default=3000.0,
                    help="seconds: configurations (mode, precision, length) started after it are not run")
     p.add_argument("--quick", action="store_true", help="CPU-sized: L = 64, 2 heads, F = 32, two cuts, 2 rounds")
-    p.add_argument("--out", default=".")
+    p.add_argument("--out", default=None,
+                   help="where BENCHMARKS.md and bench/ are (default: '.', the committed figures from the checkout's "
+                        "root; with --quick a new temporary directory, so a smoke run never replaces them)")
     p.add_argument("--section-suffix", default="", help="appended to the section's name")
 
 
@@ -121,7 +123,9 @@ def main(args, flags, argv, parser):
     runtime.keep_host_pages()
     device = "".join(c if c.isalnum() else "-" for c in jax.devices()[0].device_kind.lower())
     section = ("tune-cpu" if jax.default_backend() == "cpu" else f"tune-{device}") + args.section_suffix
-    meta = sections.machine(argv, tokens=tokens, rounds=rounds, heads=shape[0], head_dim=shape[1], features=shape[2])
+    meta = sections.machine(argv, tokens=tokens, rounds=rounds, heads=shape[0], head_dim=shape[1], features=shape[2],
+                            quick=args.quick)
+    out = sections.resolve_out(args.out, "tune", args.quick)
     names = list(dict.fromkeys(_name(c) for c in ([fused.tuning(m, p) for m in modes for p in precisions] + cuts)))
     rows, start = [], time.perf_counter()
     for causal in modes:
@@ -140,7 +144,9 @@ def main(args, flags, argv, parser):
                         for n, r in rows[-1]["results"].items()), flush=True)
                 # after every configuration: a run ended from outside (a device's loan, `timeout`) keeps
                 # what it measured
-                sections.publish(args.out, section, _text(section, meta, rows, names), {"meta": meta, "rows": rows})
+                sections.publish(out, section, _text(section, meta, rows, names), {"meta": meta, "rows": rows})
+    if args.out is None and args.quick:
+        sections.said_quick(out, section)
 
 
 def _text(section, meta, rows, cuts):

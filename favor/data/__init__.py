@@ -12,6 +12,7 @@ sharded loop assembles global arrays from the local slices (favor.sharding.globa
     data.names()            # every dataset name
     data.get(config.data)   # the source the block names (its other keys are the source's options)
     data.check(config.data) # the same errors as get, building nothing
+    data.needs_tokenizer(config.data)   # whether an empty `tokenizer` leaves the source without one
 
 A block may mix a second source into its training batches: `mix_in` (that source's block) and `mix_rate`
 (the share of each batch it fills; favor.data.mixture).
@@ -73,6 +74,13 @@ def get(block):
     except (ValueError, KeyError) as e:
         raise ValueError(f"data.mix_in: {e}") from None
     return Mixture(REGISTRY.from_block(main), mixed_in, rate, names=(main.get("name"), extra.get("name")))
+
+
+def needs_tokenizer(block) -> bool:
+    """Whether the source `block` names must be given its tokenizer (`tokenizer`): it trains none of its own
+    (its class sets NEEDS_TOKENIZER). False for a name that is not registered (`check` names that)."""
+    name = dict(block).get("name")
+    return name in REGISTRY.entries and bool(getattr(REGISTRY.lookup(name), "NEEDS_TOKENIZER", False))
 
 
 def check(block) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from favor import extras
+from favor.configcheck import ConfigError
 from favor.data import local, tokenizers
 from favor.data.source import ArraySource, check_data_dir, open_tfds, records, text
 
@@ -58,6 +59,9 @@ def _columns(rows: list, name: str, split: str) -> dict:
 
 
 class Glue(ArraySource):
+    # no tokenizer is trained here: the ids must be those of the model's vocabulary, so the config names the
+    # tokenizer or the model the run starts from brings it (favor.uptrain.options.check_tokenizer_given)
+    NEEDS_TOKENIZER = True
     OPTIONS = {"task": "sst2", "tokenizer": "", "max_length": 128, "buckets": (32, 64, 128),
                "data_dir": None, "eval_split": "validation", "max_examples": 0}
 
@@ -72,9 +76,11 @@ class Glue(ArraySource):
         self.regression = FIELDS[task][2]
         self.num_labels = NUM_LABELS.get(task, 2)
         if not tokenizer:
-            raise ValueError("data.tokenizer is empty: give wordpiece:<vocab.txt> (a BERT checkpoint's) or "
-                             "sentencepiece:<model>, or start from a model that brings one: model.init_from="
-                             "run:<a favor run> (the tokenizer its run recorded) or hf:<dir with vocab.txt>")
+            # job.validate refuses a run with neither a tokenizer nor model.init_from; a run reaches this when its
+            # source model brought none (a run that recorded none, a Hugging Face directory without vocab.txt)
+            raise ConfigError("data.tokenizer", tokenizer, f"data.tokenizer is empty (and no model.init_from "
+                              f"brought one): give {tokenizers.FORMS}, or start from a model that brings one "
+                              "(run:<a favor run>: the tokenizer it recorded; hf:<a directory with vocab.txt>)")
         self.tokenizer = tokenizers.get(tokenizer)
         name, load = f"glue/{task}", load_split
         if task in LOCAL:             # built on first use into the local cache, like the other corpora

@@ -22,6 +22,8 @@ from tokenizers import Tokenizer as FastTokenizer
 from favor.data.atomic import copy_file, unique_tag
 
 KINDS = ("wordpiece", "sentencepiece", "hf")
+# the spec forms `get` takes, as errors name them
+FORMS = "'wordpiece:<vocab.txt>[:cased]', 'sentencepiece:<model file>' or 'hf:<directory with tokenizer.json>'"
 
 
 class Tokenizer(abc.ABC):
@@ -205,8 +207,7 @@ def train_sentencepiece(texts, output, vocab_size: int, model_type: str = "unigr
 def get(spec: str) -> Tokenizer:
     kind, _, rest = str(spec).partition(":")
     if kind not in KINDS or not rest:
-        raise ValueError(f"unknown tokenizer {spec!r}; valid: 'wordpiece:<vocab.txt>[:cased]', "
-                         f"'sentencepiece:<model file>' or 'hf:<directory with tokenizer.json>'")
+        raise ValueError(f"unknown tokenizer {spec!r}; valid: {FORMS}")
     if kind == "hf":
         return HuggingFace(rest)
     if kind == "wordpiece":

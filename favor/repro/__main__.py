@@ -31,20 +31,29 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a reduced protocol that runs in seconds (smaller sets, fewer seeds)")
-    parser.add_argument("--out", default=os.path.join("repro", name), help="output directory (default: %(default)s)")
+    parser.add_argument("--out", default=None,
+                        help=f"output directory (default: repro/{name}, where the committed outputs are; with "
+                             "--quick a new temporary directory, so a smoke run never replaces them)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every draw and sample (default: %(default)s)")
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    temporary = args.out is None and args.quick
+    args.out = report.resolve_out(args.out, name, args.quick)
     t0 = time.perf_counter()
     try:
         result = module.run(args)
     except (ValueError, FileNotFoundError, trained.SweepError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if temporary and not os.listdir(args.out):     # refused before writing: no empty directory left behind
+            os.rmdir(args.out)
         return 2
     result.seconds = time.perf_counter() - t0
     paths = report.write(result, args.out, name, quick=args.quick)
     print(result.markdown(quick=args.quick))
-    print("wrote " + ", ".join(paths))
+    if temporary:
+        print(f"quick run: wrote {', '.join(paths)} (a smoke run; the committed figures are untouched)")
+    else:
+        print("wrote " + ", ".join(paths))
     return 0
 
 

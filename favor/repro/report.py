@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 from typing import Any, Callable
 
 import numpy as np
@@ -35,7 +36,7 @@ class Report:
     def markdown(self, quick=False):
         lines = [f"## {self.title}", ""]
         if quick:
-            lines += ["*`--quick` run: a reduced protocol, not the paper's; for the tests.*", ""]
+            lines += [SMOKE, ""]
         lines += [self.protocol.strip(), ""]
         lines += ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
         lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in self.rows]
@@ -50,6 +51,9 @@ class Report:
         lines += ["", f"Computed in {self.seconds:.0f} s."]
         return "\n".join(lines).rstrip() + "\n"
 
+
+SMOKE = ("*A `--quick` smoke run: a reduced protocol, not the paper's, that checks the command runs end to end; "
+         "its figures are not results (the committed outputs under repro/ come from the full protocol).*")
 
 VERDICTS = {"agrees": "✓", "within noise": "≈", "disagrees": "✗"}
 
@@ -88,6 +92,15 @@ def _jsonable(x):
     if isinstance(x, np.bool_):
         return bool(x)
     return x
+
+
+def resolve_out(out, name, quick):
+    """Where a run writes: `out` when given; else a full run's repro/<name> (where the committed outputs
+    live, from the checkout's root), a --quick run's fresh temporary directory: a smoke run's figures
+    must never replace the committed ones, nor be mistaken for them."""
+    if out is not None:
+        return out
+    return tempfile.mkdtemp(prefix=f"favor-repro-{name}-quick-") if quick else os.path.join("repro", name)
 
 
 def write(result: Report, out_dir: str, name: str, quick=False):

@@ -92,6 +92,11 @@ def config_path(name: str) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path}: the reproductions that train run the checkout's configs/ and "
                                 "launch/ (run from a clone of favor)")
+    # a config may import its siblings as the package `configs` (configs/linearize.py does), and the
+    # reproductions load configs in this process too, not only through train.py: the checkout's root goes
+    # first on the path, as launch/sweep_local.py puts it, so that import works from any working directory
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     return str(path)
 
 

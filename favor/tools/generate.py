@@ -80,7 +80,8 @@ def load(workdir):
     tokenizer = tokenizers.get(spec)
     model = job.make_model(config, None)
     layout = job.make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, None)
-    restored = checkpoint.Checkpointer(workdir / "checkpoints", asynchronous=False).restore_latest(layout.abstract)
+    restored = checkpoint.Checkpointer(workdir / "checkpoints", asynchronous=False,
+                                     read_only=True).restore_latest(layout.abstract)
     if restored is None:
         raise ValueError(f"generate: no readable checkpoint in {workdir / 'checkpoints'}")
     state = restored[0]

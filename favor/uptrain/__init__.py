@@ -5,7 +5,8 @@ init_from    where the parameters come from (a favor run or checkpoint, a Huggin
 tokenizer    the tokenizer that travels with the model from run to run
 transfer     attention transfer, the stage (favor.train.stage) that first trains the model around its
              random-feature attention to imitate the softmax attention it replaces
-options      the run's uptraining keys (init_from, the uptrain block) checked, and uses_lora
+options      the run's uptraining keys (init_from, the uptrain block) checked, with the tokenizer a run
+             without init_from must name, and uses_lora
 """
 
 from favor.uptrain import transfer

@@ -29,7 +29,8 @@ from flax import nnx
 
 from favor import attention as attention_lib
 from favor import models
-from favor.checkpoint import fingerprint
+from favor.checkpoint import dotted, fingerprint
+from favor.configcheck import ConfigError
 from favor.models import lora
 from favor.models.layers import is_feature_map_param, is_qk_norm_param
 
@@ -90,15 +91,6 @@ def _workdir_of(checkpoints: Path) -> Path | None:
 
 
 # -- reading a favor checkpoint ------------------------------------------------------------------------
-def dotted(path) -> str:
-    """'layers.0.attention.query.kernel' for a pytree key path (an nnx.State's or a checkpoint's tree,
-    where every Variable is saved as {'value': array})."""
-    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-    if parts and parts[-1] == "value":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
 def _flat(tree) -> dict:
     return {dotted(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -141,18 +133,18 @@ def open_checkpoint(origin: Origin) -> Checkpoint:
     """The step `origin` names (the newest one with readable metadata when it names none)."""
     steps = _steps(origin.path)
     if not steps:
-        raise ValueError(f"model.init_from {origin.spec!r}: {origin.path} holds no checkpoint steps")
+        raise ConfigError("model.init_from", origin.spec, f"{origin.path} holds no checkpoint steps")
     if origin.step is not None and origin.step not in steps:
-        raise ValueError(f"model.init_from {origin.spec!r}: no step {origin.step} in {origin.path}; it has "
+        raise ConfigError("model.init_from", origin.spec, f"no step {origin.step} in {origin.path}; it has "
                          f"{', '.join(map(str, steps))}")
     for step in [origin.step] if origin.step is not None else reversed(steps):
         try:
             return _open(origin.path, step)
         except Exception as e:       # an unreadable newest step: the previous one, as resuming does
             if origin.step is not None:
-                raise ValueError(f"model.init_from {origin.spec!r}: step {step} is unreadable ({e})") from None
+                raise ConfigError("model.init_from", origin.spec, f"step {step} is unreadable ({e})") from None
             log.warning("init_from: step %d of %s is unreadable (%s); trying the previous one", step, origin.path, e)
-    raise ValueError(f"model.init_from {origin.spec!r}: no readable checkpoint in {origin.path}")
+    raise ConfigError("model.init_from", origin.spec, f"no readable checkpoint in {origin.path}")
 
 
 MODEL_SIZE_KEYS = ("preset", "hidden", "num_layers", "heads", "mlp_dim", "vocab_size", "max_positions",
@@ -174,7 +166,7 @@ def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str],
             if have[path][0] != want[path][0] and path.startswith(HEAD_PREFIXES):
                 fresh.append(path)        # a head for another label set (GLUE task → task): a new head
             elif have[path][0] != want[path][0]:
-                raise ValueError(f"model.init_from {spec!r}: parameter {path} has shape {have[path][0]} in the "
+                raise ConfigError("model.init_from", spec, f"parameter {path} has shape {have[path][0]} in the "
                                  f"source and {want[path][0]} in this config's model{hint}")
             load.append(path)
         elif (path.startswith(HEAD_PREFIXES) or is_qk_norm_param(path) or lora.is_lora_param(path)
@@ -183,10 +175,10 @@ def match(have: dict, want: dict, spec: str, hint: str = "") -> tuple[list[str],
             # feature map on a source of another kind
             fresh.append(path)
         else:
-            raise ValueError(f"model.init_from {spec!r}: this config's model has parameter {path} "
+            raise ConfigError("model.init_from", spec, f"this config's model has parameter {path} "
                              f"{want[path][0]}, which the source does not have{hint}")
     if not load:
-        raise ValueError(f"model.init_from {spec!r}: no parameter of the source fits this config's model{hint}")
+        raise ConfigError("model.init_from", spec, f"no parameter of the source fits this config's model{hint}")
     dropped = sorted(set(have) - set(load))
     return load, fresh, dropped
 
@@ -202,7 +194,7 @@ def load_params(config, origin: Origin, params, shardings):
     hint = _sizes_hint(src_config, config)
     src_model, new_model = src_config.get("model", {}).get("name"), config.model.name
     if src_model != new_model:
-        raise ValueError(f"model.init_from {origin.spec!r}: the source is a {src_model} run; this config builds a "
+        raise ConfigError("model.init_from", origin.spec, f"the source is a {src_model} run; this config builds a "
                          f"{new_model}")
     want_flat, sh_flat = _flat(params), _flat(shardings)
     want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in want_flat.items()}
@@ -231,7 +223,7 @@ def load_params(config, origin: Origin, params, shardings):
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
     got = _flat(restored["params"])
     if not _fingerprint_holds(list(got.values()), ckpt.meta.get("fingerprint", [])):
-        raise ValueError(f"model.init_from {origin.spec!r}: the parameters of step {ckpt.step} do not match the "
+        raise ConfigError("model.init_from", origin.spec, f"the parameters of step {ckpt.step} do not match the "
                          f"fingerprint saved with them (a damaged checkpoint); choose another step with '@<step>'")
     if adapters:
         up = src_config.get("uptrain", {})
@@ -274,7 +266,7 @@ def _check_decoder(config, origin: Origin):
     have = models.config("decoder", config.model.get("preset", "tiny"), **m)
     differ = [f"{k} (run {have[k]!r}, checkpoint {want[k]!r})" for k in DECODER_KEYS if k in want and have[k] != want[k]]
     if differ:
-        raise ValueError(f"model.init_from {origin.spec!r}: the run's decoder computes differently from the "
+        raise ConfigError("model.init_from", origin.spec, f"the run's decoder computes differently from the "
                          f"checkpoint's in {', '.join(differ)}; set config.model's keys to the checkpoint's "
                          f"(configs/decoder_lm.py:init=<dir> takes them all from it)")
 

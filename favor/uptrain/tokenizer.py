@@ -13,30 +13,48 @@ from favor.data.atomic import write_text
 from favor.uptrain.init_from import open_checkpoint, parse
 
 TOKENIZER_DIR = "tokenizer"
+# favor's record of the spec, beside the tokenizer's own files: a name no tokenizer's file takes (a
+# Hugging Face tokenizer is a tokenizer.json, which the record must never overwrite)
+RECORD = "favor_tokenizer.json"
+# where an older favor kept the record; read when it holds a spec (a Hugging Face tokenizer.json does not)
+OLD_RECORD = "tokenizer.json"
 
 
 def record_tokenizer(source, workdir: Path) -> None:
-    """Copy the tokenizer `source` (a data source) encodes with into `<workdir>/tokenizer/` with its
-    spec (tokenizer.json), so a run that starts from this one can encode text as it did. Process 0
-    writes; each file is renamed into place, so a reader finds whole files."""
+    """Copy the tokenizer `source` (a data source) encodes with into `<workdir>/tokenizer/`, its files
+    as they are, with its spec beside them (favor_tokenizer.json), so a run that starts from this one can
+    encode text as it did. Process 0 writes; each file is renamed into place, so a reader finds whole
+    files. A run that has recorded its tokenizer keeps that record: a resumed run encodes with it
+    already, and its files are not rewritten."""
     tok = getattr(source, "tokenizer", None)
     if tok is None or not hasattr(tok, "save") or jax.process_index() != 0:
         return
     directory = Path(workdir) / TOKENIZER_DIR
+    if _spec_in(directory) is not None:
+        return
     spec = tok.save(directory)
-    write_text(directory / "tokenizer.json", json.dumps({"spec": spec}))
+    write_text(directory / RECORD, json.dumps({"spec": spec}))
+
+
+def _spec_in(directory: Path) -> str | None:
+    for name in (RECORD, OLD_RECORD):
+        f = directory / name
+        record = json.loads(f.read_text()) if f.exists() else None
+        if isinstance(record, dict) and isinstance(record.get("spec"), str):
+            return record["spec"]
+    return None
 
 
 def recorded_tokenizer(workdir: Path | None) -> str | None:
     """The tokenizer spec a run recorded in its workdir (absolute paths), or None."""
     if workdir is None:
         return None
-    f = Path(workdir) / TOKENIZER_DIR / "tokenizer.json"
-    if not f.exists():
+    directory = Path(workdir) / TOKENIZER_DIR
+    spec = _spec_in(directory)
+    if spec is None:
         return None
-    spec = json.loads(f.read_text())["spec"]
     kind, _, rest = spec.partition(":")
-    return f"{kind}:{(f.parent / rest).absolute()}"
+    return f"{kind}:{(directory / rest).absolute()}"
 
 
 def tokenizer_spec(config, workdir: Path) -> str | None:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from favor.configcheck import ConfigError
 from favor.models import lora
 from favor.models.layers import SelfAttention
 from favor.train.stage import Stage
@@ -132,7 +133,9 @@ def stage(uptrain, abstract_params, build_softmax) -> Stage | None:
         return None
     mask = trainable_mask(abstract_params, str(uptrain.trainable), str(uptrain.get("lora_also", "")))
     if not any(jax.tree.leaves(mask)):
-        raise ValueError(f"config.uptrain.trainable={uptrain.trainable!r} selects no parameter")
+        raise ConfigError("uptrain.trainable", str(uptrain.trainable),
+                          "selects no parameter of this model: give 'query_key', 'all', 'feature_maps', 'lora' or a "
+                          "regular expression that matches some of its dotted parameter paths")
     teacher = teacher_of(build_softmax)
     return Stage(name="transfer", steps=steps, tx=optimizer(uptrain, mask),
                  loss=partial(loss_fn, teacher=teacher), entries=lambda params: {"teacher": params},

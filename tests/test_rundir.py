@@ -1,0 +1,180 @@
+"""A run directory belongs to its run: a start with another configuration, a checkpoint of another model
+and a start that fails leave every file as it was; a resume may change only its length and cadence."""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from favor import checkpoint, configlib, job, rundir
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from configs import default as default_config  # noqa: E402
+
+SHORT = {"total_steps": 8, "checkpoint_every": 8, "eval_every": 8, "log_every": 8}
+
+
+def tiny(**overrides):
+    c = default_config.get_config("runlocal")
+    for key, value in {**SHORT, **overrides}.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+def snapshot(directory: Path) -> dict:
+    """{relative path: sha256 of the file, or 'dir'} of everything under `directory`."""
+    return {str(p.relative_to(directory)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(directory).rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def softmax_run(tmp_path_factory):
+    """A finished softmax run of the default job (8 steps, one checkpoint)."""
+    workdir = tmp_path_factory.mktemp("softmax") / "run"
+    job.run(tiny(**{"model.attention.kind": "softmax"}), workdir)
+    return workdir
+
+
+@pytest.fixture
+def copy(softmax_run, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(softmax_run, target)
+    return target
+
+
+@pytest.mark.parametrize("kind", ["favor#", "relu"])
+def test_another_kind_in_a_run_directory_is_refused_and_the_run_kept(copy, kind):
+    # favor#: other parameter shapes (once read as a damaged checkpoint and set aside); relu: the same
+    # shapes (once resumed silently as ReLU attention, its keep rule deleting the softmax steps)
+    before = snapshot(copy)
+    with pytest.raises(rundir.RunDirError, match=rf"holds a run of another configuration: "
+                                                 rf"model.attention.kind='{kind}' here, 'softmax' in the run.*"
+                                                 rf"init_from=run:{re.escape(str(copy))}"):
+        job.run(tiny(**{"model.attention.kind": kind, "total_steps": 12}), copy)
+    assert snapshot(copy) == before
+
+
+def test_a_resume_may_change_its_length_and_cadence(copy, caplog):
+    config = tiny(**{"model.attention.kind": "softmax", "total_steps": 12, "checkpoint_every": 2, "log_every": 2,
+                     "eval_every": 4, "keep_checkpoints": 3, "eval_batch_size": 64, "prefetch": 1})
+    with caplog.at_level("INFO", logger="favor.train"):
+        summary = job.run(config, copy)
+    assert "resumed from step 8" in caplog.text and summary["step"] == 12
+    assert json.loads((copy / "config.json").read_text())["total_steps"] == 12     # the record follows the run
+    assert sorted(int(p.name) for p in (copy / "checkpoints").iterdir()) == [8, 10, 12]
+
+
+def test_differences_name_every_key_but_the_resumable_ones():
+    run = json.loads(tiny().to_json())
+    now = json.loads(tiny(**{"total_steps": 99, "mesh.data": 1, "data.data_dir": "/elsewhere", "optim.lr": 0.5,
+                             "model.attention.num_features": 32, "seed": 3}).to_json())
+    assert rundir.differences(run, now) == [("model.attention.num_features", 16, 32), ("optim.lr", 0.01, 0.5),
+                                            ("seed", 0, 3)]
+    # keys only one side has are another favor version's, not another run's
+    del now["optim"]["lr"]
+    now["model"]["new_key"] = 1
+    assert [k for k, _, _ in rundir.differences(run, now)] == ["model.attention.num_features", "seed"]
+
+
+def test_a_start_that_fails_writes_nothing(softmax_run, tmp_path):
+    # the source's hidden is 32: the parameters do not fit, found when they are loaded
+    bad = tiny(**{"model.attention.kind": "favor+", "model.hidden": 64, "model.init_from": f"run:{softmax_run}"})
+    with pytest.raises(configlib.ConfigError, match=r"config.model.init_from=.*has shape \(32,\) in the source"):
+        job.run(bad, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(configlib.ConfigError, match="config.uptrain.lora_targets='nonexistent'"):
+        job.run(tiny(**{"model.init_from": f"run:{softmax_run}", "uptrain.trainable": "lora",
+                        "uptrain.lora_targets": "nonexistent"}), tmp_path / "empty")
+    assert not any((tmp_path / "empty").iterdir())
+
+
+def _state(shape=(3, 4), name="w"):
+    return {"params": {name: jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)},
+            "key": jax.random.key(7), "step": jnp.int32(5)}
+
+
+def _abstract(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_set_aside(tmp_path):
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", asynchronous=False)
+    ckpt.save(5, _state(), {"step": 5})
+    ckpt.close()
+    before = snapshot(tmp_path)
+    for other, says in ((_state((3, 5)), r"params.w has shape \(3, 4\) in the checkpoint, \(3, 5\) in the model"),
+                        (_state(name="v"), "params.v is not in the checkpoint; params.w is in the checkpoint but not "
+                                           "in the model")):
+        reader = checkpoint.Checkpointer(tmp_path / "checkpoints", asynchronous=False)
+        with pytest.raises(checkpoint.Mismatch, match=rf"checkpoint 5 in .* does not fit this model: {says}\."):
+            reader.restore_latest(_abstract(other))
+        reader.close()
+        assert snapshot(tmp_path) == before          # nothing renamed, deleted or written
+    # the model's own tree restores, typed PRNG keys (saved as their key data) included
+    reader = checkpoint.Checkpointer(tmp_path / "checkpoints")
+    state, _, step = reader.restore_latest(_abstract(_state()))
+    reader.close()
+    assert step == 5 and np.array_equal(jax.random.key_data(state["key"]), jax.random.key_data(jax.random.key(7)))
+
+
+def test_a_reader_skips_a_damaged_step_without_renaming_it(tmp_path):
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", asynchronous=False)
+    for step in (1, 2):
+        ckpt.save(step, _state(), {"step": step})
+    ckpt.close()
+    for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(os.urandom(f.stat().st_size))
+    before = snapshot(tmp_path)
+    with pytest.warns(UserWarning, match="checkpoint step 2 .* unreadable or damaged"):
+        _, _, step = checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True).restore_latest(
+            _abstract(_state()))
+    assert step == 1 and snapshot(tmp_path) == before
+
+
+def test_a_checkpointer_makes_its_directory_only_when_it_saves(tmp_path):
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints")
+    assert ckpt.steps() == [] and ckpt.restore_latest(_abstract(_state())) is None
+    ckpt.close()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _train(workdir, *flags):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/default.py") +
+                           ":runlocal", "--workdir", str(workdir), *flags], capture_output=True, text=True, timeout=300)
+
+
+def test_train_py_refuses_a_workdir_that_is_not_its_own_in_one_line(copy, tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    hf = tmp_path / "bert"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "hidden_size": 32}))
+    cases = [([str(a_file)], f"error: --workdir {a_file} is a file; it must be a directory"),
+             ([str(hf)], f"error: --workdir {hf}: its config.json is not a favor run's record"),
+             # another attention kind, init_from and LoRA targets over a finished run
+             ([str(copy), f"--config.model.init_from=run:{copy}", "--config.uptrain.trainable=lora",
+               "--config.uptrain.lora_targets=nonexistent"],
+              f"error: --workdir {copy} holds a run of another configuration: model.attention.kind='favor++' here")]
+    before = [snapshot(tmp_path), a_file.read_bytes()]
+    for (workdir, *flags), says in cases:
+        out = _train(workdir, *flags)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert lines[-1].startswith(says), lines[-1]
+    assert [snapshot(tmp_path), a_file.read_bytes()] == before
