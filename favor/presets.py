@@ -23,9 +23,9 @@ DEFAULTS = {
                 dtype="float32", param_dtype="float32"),
     # Llama's layout by default; the "gpt2" preset switches to GPT-2's (LayerNorm, GELU, learned positions)
     "decoder": dict(vocab_size=32000, hidden=768, num_layers=12, heads=12, mlp_dim=2048, max_positions=2048,
-                    norm="rms", mlp="swiglu", positions="rotary", rotary_base=10000.0, tie_embeddings=False,
-                    use_bias=False, norm_eps=1e-6, dropout=0.0, attention_dropout=0.0, attention=DEFAULT_ATTENTION,
-                    dtype="float32", param_dtype="float32"),
+                    norm="rms", mlp="swiglu", positions="rotary", rotary_base=10000.0, rope_scaling="",
+                    tie_embeddings=False, use_bias=False, qkv_bias=False, norm_eps=1e-6, dropout=0.0,
+                    attention_dropout=0.0, attention=DEFAULT_ATTENTION, dtype="float32", param_dtype="float32"),
     "conformer": dict(features=80, vocab_size=256, hidden=256, num_layers=17, heads=4, mlp_ratio=4,
                       conv_kernel=31, conv_norm="batch", subsampling_channels=256, dropout=0.1,
                       attention_dropout=0.0, layer_norm_eps=1e-5, attention=DEFAULT_ATTENTION,

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from favor import models
-from hf_reference import inputs
+from favor import configlib, models
+from hf_reference import inputs, long_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,17 +112,39 @@ def test_unknown_or_missing_tensors_are_named(hf_reference, tmp_path):
         models.hf.load(tmp_path / "nowhere")
 
 
-@pytest.mark.parametrize("case", ["GPT2LMHeadModel", "LlamaForCausalLM"])
+# case -> (rotary base, rope_scaling, qkv_bias, tied embeddings) the import must read from config.json
+DECODER_CASES = {
+    "GPT2LMHeadModel": (None, "", False, True),
+    "LlamaForCausalLM": (500.0, "", False, False),
+    "llama3": (500.0, "llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=16",
+               False, False),
+    "llama-linear": (500.0, "linear:factor=2", False, False),
+    "Qwen2ForCausalLM": (1e6, "", True, True),
+    "qwen2-untied": (1e6, "", True, False),
+    "MistralForCausalLM": (10000.0, "", False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODER_CASES))
 def test_decoders_match_hugging_face(hf_reference, case):
-    """GPT-2 (fused c_attn split, tied output) and Llama (grouped-query attention repeated, RMSNorm, SwiGLU,
-    rotary positions at base 500): favor's softmax logits equal transformers' at every real token."""
+    """GPT-2 (fused c_attn split, tied output), Llama 2 and 3.x (grouped-query attention repeated, RMSNorm,
+    SwiGLU, rotary positions at base 500; Llama 3.1's and linear rescaled frequencies), Qwen2 (biases on
+    q/k/v, repeated with their heads; tied or untied embeddings) and Mistral: favor's softmax logits equal
+    transformers' at every real token, and over 40 tokens, past the rescaled cases' original window of 16."""
     path, ref = reference(hf_reference, case)
     ids, _, mask, valid = bert_inputs()
     model = models.hf.load(path)
-    assert model.config["norm"] == ("layer" if case.startswith("GPT2") else "rms")
-    assert model.config["rotary_base"] == 500.0 or case.startswith("GPT2")
+    base, scaling, qkv_bias, tied = DECODER_CASES[case]
+    c = model.config
+    assert c["norm"] == ("layer" if case.startswith("GPT2") else "rms") and c["tie_embeddings"] == tied
+    assert (c["rotary_base"], c["rope_scaling"], c["qkv_bias"]) == (base, scaling, qkv_bias) or base is None
     ours = np.asarray(model(ids, mask)["logits"])
     assert np.max(np.abs(ours - ref["logits"])[valid]) < TOL
+    long = jnp.asarray(long_inputs())
+    assert np.max(np.abs(np.asarray(model(long)["logits"]) - ref["long_logits"])) < TOL
+    if scaling:         # the rescaling is what makes them equal: the default frequencies do not
+        plain = models.hf.load(path, rope_scaling="")
+        assert np.max(np.abs(np.asarray(plain(long)["logits"]) - ref["long_logits"])) > 10 * TOL
     # the same weights under a linear kind: a causal FAVOR+ model of the same parameter tree
     fav = models.hf.load(path, attention={"kind": "favor+", "num_features": 256})
     assert jax.tree.structure(nnx.state(fav, nnx.Param)) == jax.tree.structure(nnx.state(model, nnx.Param))
@@ -133,13 +155,42 @@ def test_decoders_match_hugging_face(hf_reference, case):
 def test_decoder_checkpoints_favor_cannot_compute_are_refused_by_name(hf_reference, tmp_path):
     path = shutil.copytree(hf_reference / "LlamaForCausalLM", tmp_path / "llama")
     cfg = json.loads((path / "config.json").read_text())
-    for bad, match in ((dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling"),
+    for bad, match in ((dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+                        r"Llama rope scaling 'dynamic' is not supported; .* 'linear', 'llama3' \(dynamic NTK's"),
+                       (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "rope scaling 'yarn' is not supported"),
+                       (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+                        "rope scaling 'llama3' lacks low_freq_factor, high_freq_factor in config.json"),
+                       (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                           "high_freq_factor": 1.0}), "0 < low_freq_factor < high_freq_factor"),
+                       (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
                        (dict(hidden_act="gelu"), "hidden_act 'gelu'"), (dict(attention_bias=True), "attention_bias"),
                        (dict(num_key_value_heads=3), "num_key_value_heads 3 does not divide")):
         (path / "config.json").write_text(json.dumps({**cfg, **bad}))
         with pytest.raises(ValueError, match=match):
             models.hf.load(path)
+    # checkpoints saved before transformers 5 keep the type as "type" and the base as rope_theta
+    old = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    (path / "config.json").write_text(json.dumps({**old, "rope_theta": 250.0, "rope_scaling": {"type": "linear",
+                                                                                                 "factor": 4.0}}))
+    assert {k: models.hf.decoder_config(path)[k] for k in ("rotary_base", "rope_scaling")} == \
+        {"rotary_base": 250.0, "rope_scaling": "linear:factor=4"}
     (path / "config.json").write_text(json.dumps(cfg))
+    # a sliding window shorter than the positions the model takes is another computation; none, or one
+    # covering every position, is the same
+    mistral = shutil.copytree(hf_reference / "MistralForCausalLM", tmp_path / "mistral")
+    qwen2 = shutil.copytree(hf_reference / "Qwen2ForCausalLM", tmp_path / "qwen2")
+    for where, family, window in ((mistral, "Mistral", {"sliding_window": 8}),
+                                  (qwen2, "Qwen2", {"sliding_window": 8, "use_sliding_window": True})):
+        ok = json.loads((where / "config.json").read_text())
+        (where / "config.json").write_text(json.dumps({**ok, **window}))
+        with pytest.raises(ValueError, match=f"{family} sliding_window 8 < max_position_embeddings 64 is not "
+                                             f"supported: favor's decoder attends over the whole prefix"):
+            models.hf.load(where)
+        (where / "config.json").write_text(json.dumps({**ok, **window, "sliding_window": 64}))
+        models.hf.load(where)
+    ok = json.loads((qwen2 / "config.json").read_text())
+    (qwen2 / "config.json").write_text(json.dumps({**ok, "sliding_window": 8, "use_sliding_window": False}))
+    models.hf.load(qwen2)                   # Qwen2 honours its window only with use_sliding_window
     tensors = load_file(str(path / "model.safetensors"))
     save_file(dict(tensors, **{"model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros((4,), np.float32)}),
               str(path / "model.safetensors"))
@@ -158,10 +209,33 @@ def test_decoder_checkpoints_favor_cannot_compute_are_refused_by_name(hf_referen
     models.hf.load(gpt2)
 
 
-def llama_with_tokenizer(hf_reference, tmp_path):
-    """A copy of the tiny Llama with a tokenizer.json of its own (a word-level one, trained here)."""
+@pytest.mark.parametrize("case", ["llama3", "Qwen2ForCausalLM", "MistralForCausalLM"])
+def test_imported_decoders_decode_as_their_full_pass(hf_reference, case):
+    """Prefill and token-by-token decoding give the full causal pass's logits at every position, with
+    softmax's key/value cache and with FAVOR+'s fixed-size linear state, for each imported family (the
+    prompt of 20 longer than Llama 3.1's original window of 16)."""
+    ids = jnp.asarray(long_inputs()[:, :26])
+    for kind in ("softmax", "favor+"):
+        attention = {"kind": "softmax"} if kind == "softmax" else {"kind": kind, "num_features": 64}
+        model = models.hf.load(hf_reference / case, attention=attention)
+        graphdef, state = nnx.split(model)
+        full = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)["logits"])(state, ids)
+        prefill = jax.jit(lambda s, x: nnx.merge(graphdef, s).prefill(x, max_length=32))
+        decode = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c))
+        logits, caches = prefill(state, ids[:, :20])
+        got = [logits]
+        for position in range(20, 26):
+            step, caches = decode(state, ids[:, position], jnp.int32(position), caches)
+            got.append(step[:, None])
+        np.testing.assert_allclose(np.concatenate(got, axis=1), np.asarray(full), rtol=1e-4, atol=1e-4,
+                                   err_msg=f"{case} {kind}")
+
+
+def with_tokenizer(hf_reference, tmp_path, case):
+    """A copy of a tiny decoder checkpoint with a tokenizer.json of its own (a word-level one, trained
+    here)."""
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
-    path = shutil.copytree(hf_reference / "LlamaForCausalLM", tmp_path / "llama")
+    path = shutil.copytree(hf_reference / case, tmp_path / case)
     words = Tokenizer(tok_models.WordLevel(unk_token="<unk>"))          # ≤ the checkpoint's 101 entries
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.train_from_iterator(["return the value of the file in a list", "raise an error if the name is not found"] * 5,
@@ -170,8 +244,9 @@ def llama_with_tokenizer(hf_reference, tmp_path):
     return path
 
 
-def test_a_run_from_a_hugging_face_llama_keeps_its_tokenizer_and_generates(hf_reference, docstrings_cache,
-                                                                          tmp_path, capsys):
+@pytest.mark.parametrize("case", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_a_run_from_a_hugging_face_decoder_keeps_its_tokenizer_and_generates(hf_reference, docstrings_cache,
+                                                                             tmp_path, capsys, case):
     """The run records the checkpoint's tokenizer.json as it is (favor's record beside it, under another
     name), and generation, a resumed run and a run that starts from this one all encode with it."""
     from favor import job, uptrain
@@ -179,7 +254,7 @@ def test_a_run_from_a_hugging_face_llama_keeps_its_tokenizer_and_generates(hf_re
     from favor.tools import generate
     sys.path.insert(0, str(ROOT))
     from configs import decoder_lm
-    path = llama_with_tokenizer(hf_reference, tmp_path)
+    path = with_tokenizer(hf_reference, tmp_path, case)
     config = decoder_lm.get_config(f"runlocal,kind=favor+,init={path}")
     config.total_steps, config.checkpoint_every, config.eval_every, config.log_every = 2, 2, 2, 2
     run = tmp_path / "run"
@@ -198,23 +273,34 @@ def test_a_run_from_a_hugging_face_llama_keeps_its_tokenizer_and_generates(hf_re
     assert tokenizers.get(uptrain.tokenizer_spec(follow, tmp_path / "next")).ids(text) == want
 
 
-def test_a_decoder_run_starts_from_a_hugging_face_llama(hf_reference, docstrings_cache, tmp_path):
-    """configs/decoder_lm.py:init=<dir> takes the checkpoint's sizes, layout and rotary base, its weights
-    (init_from=hf:) and its tokenizer.json (a run rebuilt from it holds exactly the checkpoint's
-    parameters; training from there is the warm-start loop every init_from shares); a run configured by
-    hand with another rotary base is refused, naming the key and both values (the weights would load
-    and the model silently compute otherwise)."""
+@pytest.mark.parametrize("case", ["LlamaForCausalLM", "llama3", "Qwen2ForCausalLM"])
+def test_a_decoder_run_starts_from_a_hugging_face_checkpoint(hf_reference, docstrings_cache, tmp_path, case):
+    """configs/decoder_lm.py:init=<dir> takes the checkpoint's sizes, layout, rotary base and scaling and
+    q/k/v biases, its weights (init_from=hf:) and its tokenizer.json (a run rebuilt from it holds exactly
+    the checkpoint's parameters; training from there is the warm-start loop every init_from shares); a
+    run configured by hand with another rotary base or scaling is refused, naming the key and both values
+    (the weights would load and the model silently compute otherwise)."""
     from favor import job
     sys.path.insert(0, str(ROOT))
     from configs import decoder_lm
-    path = llama_with_tokenizer(hf_reference, tmp_path)
+    path = with_tokenizer(hf_reference, tmp_path, case)
     config = decoder_lm.get_config(f"runlocal,kind=favor+,init={path}")
-    assert (config.model.rotary_base, config.model.heads, config.model.vocab_size) == (500.0, 4, 101)
+    base, scaling, qkv_bias, _ = DECODER_CASES[case]
+    assert (config.model.heads, config.model.vocab_size) == (4, 101)
+    assert (config.model.rotary_base, config.model.rope_scaling, config.model.qkv_bias) == (base, scaling, qkv_bias)
     assert config.data.tokenizer == f"hf:{path}" and config.model.init_from == f"hf:{path}"
+    job.validate(config)
     state = job.rebuild(config, tmp_path / "rebuilt")[-1]
     want = nnx.to_pure_dict(nnx.state(models.hf.load(path), nnx.Param))
     got = nnx.to_pure_dict(state["params"])
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
-    config.model.rotary_base = 10000.0
-    with pytest.raises(ValueError, match=r"in rotary_base \(run 10000.0, checkpoint 500.0\)"):
-        job.rebuild(config, tmp_path / "other")
+    for key, value, says in (("rotary_base", 10000.0, rf"in rotary_base \(run 10000.0, checkpoint {base}\)"),
+                             ("rope_scaling", "linear:factor=3", r"in rope_scaling \(run 'linear:factor=3', "
+                                                                 rf"checkpoint '{scaling}'\)")):
+        changed = config.copy_and_resolve_references()
+        changed.model[key] = value
+        with pytest.raises(ValueError, match=says):
+            job.rebuild(changed, tmp_path / "other")
+    config.model.rope_scaling = "ntk:factor=2"
+    with pytest.raises(configlib.ConfigError, match=r"config.model.rope_scaling='ntk:factor=2': .*unknown type 'ntk'"):
+        job.validate(config)

@@ -57,7 +57,8 @@ class DecoderLayer(nnx.Module):
         self.attention_norm = _norm(c, rngs)
         self.attention = SelfAttention(c["hidden"], c["heads"], c["attention"], rngs=rngs, causal=True,
                                        dropout=c["attention_dropout"], use_rotary=c["positions"] == "rotary",
-                                       rotary_base=c["rotary_base"], use_bias=c["use_bias"], **kw)
+                                       rotary_base=c["rotary_base"], rope_scaling=c["rope_scaling"],
+                                       use_bias=c["use_bias"], qkv_bias=c["qkv_bias"], **kw)
         self.mlp_norm = _norm(c, rngs)
         if c["mlp"] == "swiglu":
             self.mlp = SwiGlu(c["hidden"], c["mlp_dim"], rngs=rngs, use_bias=c["use_bias"], dropout=c["dropout"], **kw)

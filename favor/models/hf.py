@@ -1,19 +1,23 @@
-"""Import Hugging Face BERT, ViT, GPT-2 and Llama checkpoints (config.json + safetensors) into favor models.
+"""Import Hugging Face BERT, ViT, GPT-2, Llama (2 and 3.x), Qwen2 and Mistral checkpoints (config.json +
+safetensors) into favor models.
 
     model = favor.models.hf.load("path/to/bert-base-uncased", attention={"kind": "favor++"})
 
 The architecture in config.json picks the favor model and head: BertModel (no head),
 BertForMaskedLM ("mlm"), BertForSequenceClassification ("classification", or "regression" for one
 label / problem_type "regression"), ViTModel (no head), ViTForImageClassification; GPT2LMHeadModel /
-GPT2Model and LlamaForCausalLM / LlamaModel become the decoder in its GPT-2 or Llama layout (a base
-model without an LM head gets a fresh, untied one, or the tied embeddings). `overrides` go on top, e.g.
-the attention kind to uptrain with, dropout, or a new head for fine-tuning.
+GPT2Model become the decoder in its GPT-2 layout, LlamaForCausalLM / Qwen2ForCausalLM /
+MistralForCausalLM (and their *Model bodies) in its Llama layout: Qwen2 with biases on the query, key and
+value projections (`qkv_bias`), Llama 3.1's rescaled rotary frequencies as `rope_scaling`
+(favor.models.rope). A base model without an LM head gets a fresh, untied one, or the tied embeddings.
+`overrides` go on top, e.g. the attention kind to uptrain with, dropout, or a new head for fine-tuning.
 
 Two decoder checkpoints need a rewrite that changes no output: GPT-2's fused c_attn is split into the
-query, key and value projections, and Llama's grouped-query attention (num_key_value_heads < heads) has
-each key/value head's projection repeated for the query heads that share it, as the model computes it.
-Llama variants whose computation differs from favor's decoder (rope_scaling, biases, another activation)
-are refused by name.
+query, key and value projections, and grouped-query attention (num_key_value_heads < heads) has each
+key/value head's projection (and bias) repeated for the query heads that share it, as the model computes
+it. Checkpoints whose computation differs from favor's decoder are refused by name: another activation,
+biases elsewhere, a rope scaling whose frequencies follow the length (dynamic NTK) or that scales the
+logits (YaRN, LongRoPE), a sliding window shorter than the positions the model takes.
 
 Every checkpoint tensor must land on a favor parameter of the same shape, and every favor parameter
 must come from the checkpoint; both kinds of mismatch are errors that name the tensors. The one
@@ -32,12 +36,16 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 
-from favor.models import zoo
+from favor.models import rope, zoo
 from favor.models.layers import is_feature_map_param, is_qk_norm_param
 
 BERT_ARCHS = {"BertModel": "none", "BertForMaskedLM": "mlm", "BertForSequenceClassification": "classification"}
 VIT_ARCHS = {"ViTModel": False, "ViTForImageClassification": True}
-DECODER_ARCHS = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama", "LlamaModel": "llama"}
+# architecture -> family; every family but GPT-2 is the Llama layout (RMSNorm, SwiGLU, rotary positions)
+DECODER_ARCHS = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama", "LlamaModel": "llama",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen2Model": "qwen2", "MistralForCausalLM": "mistral",
+                 "MistralModel": "mistral"}
+FAMILY_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 HEAD_PARAMS = ("mlm_", "classifier", "head", "lm_head")   # favor parameter paths a fine-tuning head may add
 
 
@@ -137,7 +145,8 @@ def gpt2_names(num_layers):
     return n
 
 
-def llama_names(num_layers, tied):
+def llama_names(num_layers, tied, qkv_bias=False):
+    """The Llama layout's names (Qwen2's and Mistral's too; Qwen2 with biases on q/k/v: `qkv_bias`)."""
     n = {"embed_tokens.weight": ("token_embeddings.embedding", None), "norm.weight": ("final_norm.scale", None),
          "lm_head.weight": ("token_embeddings.embedding", "tied") if tied else ("lm_head.kernel", "T")}
     for i in range(num_layers):
@@ -146,6 +155,8 @@ def llama_names(num_layers, tied):
         n[f"{h}.post_attention_layernorm.weight"] = (f"{f}.mlp_norm.scale", None)
         for hp, fp in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("o_proj", "out")):
             n[f"{h}.self_attn.{hp}.weight"] = (f"{f}.attention.{fp}.kernel", "T")
+            if qkv_bias and hp != "o_proj":
+                n[f"{h}.self_attn.{hp}.bias"] = (f"{f}.attention.{fp}.bias", None)
         for p in ("gate", "up", "down"):
             n[f"{h}.mlp.{p}_proj.weight"] = (f"{f}.mlp.{p}.kernel", "T")
     return n
@@ -170,9 +181,11 @@ def _repeat_kv_heads(tensors, heads, kv_heads, head_dim):
     group = heads // kv_heads
     out = dict(tensors)
     for k, v in tensors.items():
-        if k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-            v = np.asarray(v)
-            out[k] = np.repeat(v.reshape(kv_heads, head_dim, v.shape[-1]), group, axis=0).reshape(heads * head_dim, -1)
+        if k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias",
+                       "self_attn.v_proj.bias")):
+            v = np.asarray(v)        # [kv_heads·head_dim, in] weights, [kv_heads·head_dim] biases
+            rows = np.repeat(v.reshape(kv_heads, head_dim, *v.shape[1:]), group, axis=0)
+            out[k] = rows.reshape(heads * head_dim, *v.shape[1:])
     return out
 
 
@@ -192,32 +205,75 @@ def _gpt2_config(cfg, tensors, arch):
                 dropout=cfg.get("resid_pdrop", 0.1), attention_dropout=0.0)
 
 
-def _rope_base(cfg):
-    rope = cfg.get("rope_parameters") or {}
-    kind = rope.get("rope_type", "default")
-    if cfg.get("rope_scaling") or kind != "default":
-        raise ValueError(f"Llama rope scaling {cfg.get('rope_scaling') or kind!r} is not supported; favor's rotary "
-                         f"positions are the default (unscaled) ones")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+ROPE_REFUSED = ("dynamic NTK's frequencies change with the sequence's length (no state or cache decodes it); "
+                "YaRN and LongRoPE also scale the attention logits")
+
+
+def _rope(cfg, family):
+    """(rotary base, favor.models.rope scaling spec) of a config.json. transformers ≥ 5 writes
+    rope_parameters (rope_type, rope_theta and the scaling's keys); checkpoints saved before keep
+    rope_theta and rope_scaling, with its type as "rope_type" or "type"."""
+    name = FAMILY_NAMES[family]
+    # a file holds one of the two; where both are, the older key is the one a person set
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**(cfg.get("rope_parameters") or {}), **scaling}
+    base = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(f"{name} partial_rotary_factor {partial:g} is not supported; favor rotates the whole head")
+    if kind == "default":
+        return base, ""
+    if kind not in rope.PARAMETERS:
+        raise ValueError(f"{name} rope scaling {kind!r} is not supported; favor's rotary positions take the default "
+                         f"(unscaled) and {', '.join(map(repr, rope.PARAMETERS))} ({ROPE_REFUSED})")
+    if kind == "llama3":            # transformers falls back to max_position_embeddings for it
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    missing = [k for k in rope.PARAMETERS[kind] if params.get(k) is None]
+    if missing:
+        raise ValueError(f"{name} rope scaling {kind!r} lacks {', '.join(missing)} in config.json")
+    spec = rope.spec(kind, params)
+    rope.parse(spec)                # its values' own checks, naming the spec
+    return base, spec
+
+
+def _sliding_window(cfg, family):
+    """Mistral and Qwen2 may attend over a sliding window of the last `sliding_window` tokens; favor's
+    softmax decoder attends over the whole prefix, which is the same computation only when no sequence
+    the model takes is longer than the window."""
+    window = cfg.get("sliding_window")
+    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+        return
+    if window is not None and int(window) < int(cfg["max_position_embeddings"]):
+        raise ValueError(f"{FAMILY_NAMES[family]} sliding_window {window} < max_position_embeddings "
+                         f"{cfg['max_position_embeddings']} is not supported: favor's decoder attends over the whole "
+                         f"prefix, so a sequence longer than the window would compute otherwise (checkpoints whose "
+                         f"config.json sets sliding_window to null, or to at least max_position_embeddings, import)")
 
 
 def _llama_config(cfg, tensors, arch):
+    """The Llama layout's options (Llama 2/3.x, Qwen2, Mistral: `arch` picks the family)."""
+    family = DECODER_ARCHS[arch]
+    name = FAMILY_NAMES[family]
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"Llama hidden_act {cfg['hidden_act']!r} is not supported; favor's SwiGLU uses 'silu'")
+        raise ValueError(f"{name} hidden_act {cfg['hidden_act']!r} is not supported; favor's SwiGLU uses 'silu'")
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
-            raise ValueError(f"Llama {key}=True is not supported; favor's Llama layout has no biases")
+            raise ValueError(f"{name} {key}=True is not supported; favor's Llama layout has no biases there")
+    _sliding_window(cfg, family)
     heads, h = cfg["num_attention_heads"], cfg["hidden_size"]
-    if cfg.get("head_dim", h // heads) * heads != h:
-        raise ValueError(f"Llama head_dim {cfg['head_dim']} × {heads} heads ≠ hidden_size {h}: not supported")
+    if (cfg.get("head_dim") or h // heads) * heads != h:
+        raise ValueError(f"{name} head_dim {cfg['head_dim']} × {heads} heads ≠ hidden_size {h}: not supported")
     kv = cfg.get("num_key_value_heads") or heads
     if heads % kv:
-        raise ValueError(f"Llama num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+        raise ValueError(f"{name} num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    base, scaling = _rope(cfg, family)
     return dict(vocab_size=cfg["vocab_size"], hidden=h, num_layers=cfg["num_hidden_layers"], heads=heads,
                 mlp_dim=cfg["intermediate_size"], max_positions=cfg["max_position_embeddings"], norm="rms",
-                mlp="swiglu", positions="rotary", rotary_base=_rope_base(cfg),
+                mlp="swiglu", positions="rotary", rotary_base=base, rope_scaling=scaling,
                 tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), use_bias=False,
-                norm_eps=cfg.get("rms_norm_eps", 1e-6), dropout=0.0, attention_dropout=0.0)
+                qkv_bias=family == "qwen2", norm_eps=cfg.get("rms_norm_eps", 1e-6), dropout=0.0,
+                attention_dropout=0.0)
 
 
 def _num_labels(cfg):
@@ -291,7 +347,7 @@ def _read_config(path: Path):
 
 
 def decoder_config(path) -> dict:
-    """The decoder options (favor.presets keys) a Hugging Face GPT-2 or Llama directory's config.json
+    """The decoder options (favor.presets keys) a Hugging Face decoder directory's config.json
     implies: what a run must be configured with to start from it (configs/decoder_lm.py's `init=`)."""
     path = Path(path)
     cfg, arch = _read_config(path)
@@ -301,13 +357,13 @@ def decoder_config(path) -> dict:
 
 
 def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
-    """Build the favor model matching a Hugging Face BERT/ViT/GPT-2/Llama directory and copy its weights in."""
+    """Build the favor model matching a Hugging Face directory (any architecture above) and copy its weights in."""
     path = Path(path)
     cfg, arch = _read_config(path)
     tensors = read_tensors(path)
     if arch in DECODER_ARCHS:
-        family, layout = "decoder", DECODER_ARCHS[arch]
-        # GPT2LMHeadModel nests the body under transformer., LlamaForCausalLM under model.
+        family, layout = "decoder", "gpt2" if DECODER_ARCHS[arch] == "gpt2" else "llama"
+        # GPT2LMHeadModel nests the body under transformer., the Llama layout's *ForCausalLM under model.
         tensors = _strip(tensors, "transformer." if layout == "gpt2" else "model.")
         base = (_gpt2_config if layout == "gpt2" else _llama_config)(cfg, tensors, arch)
         if layout == "gpt2":
@@ -322,7 +378,8 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
     model = zoo.get(family, "small" if family == "decoder" else "base", rngs=rngs, **{**base, **overrides})
     layers = model.config["num_layers"]
     if family == "decoder":
-        names = gpt2_names(layers) if layout == "gpt2" else llama_names(layers, model.config["tie_embeddings"])
+        names = gpt2_names(layers) if layout == "gpt2" else llama_names(layers, model.config["tie_embeddings"],
+                                                                        model.config["qkv_bias"])
     else:
         names = bert_names(layers) if family == "bert" else vit_names(layers)
     params = _params_by_path(model)

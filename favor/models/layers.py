@@ -18,6 +18,7 @@ from flax import nnx
 from favor import attention as attention_lib
 from favor.attention import qknorm
 from favor.attention.kinds import RandomFeatureAttention, Softmax
+from favor.models import rope
 
 AXES = ("vocab", "embed", "heads", "mlp", "kernel", "classes")
 
@@ -98,16 +99,14 @@ def attention_spec(attention: Mapping[str, Any]) -> tuple[str, dict, dict]:
     return attention_lib.read_block(attention, from_config=False)
 
 
-def rotary(x, positions, base=10000.0):
-    """Rotary position embedding (RoFormer) on [B, L, H, D] with positions [B, L] or [L].
+def rotary(x, positions, base=10000.0, scaling=""):
+    """Rotary position embedding (RoFormer) on [B, L, H, D] with positions [B, L] or [L]; `scaling` a
+    long-context rescaling of its frequencies (favor.models.rope).
 
     Rotating q and k by position-dependent angles makes qᵀk depend on the offset only, for the
     exact kernel and equally for every random-feature estimate of exp(qᵀk) (they are functions of
     the rotated vectors), so it gives linear attention relative positions at no extra cost."""
-    d = x.shape[-1]
-    if d % 2:
-        raise ValueError(f"rotary positions need an even head dim; got {d}")
-    freqs = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    freqs = jnp.asarray(rope.frequencies(x.shape[-1], float(base), str(scaling)))
     angles = jnp.asarray(positions, jnp.float32)[..., None] * freqs       # [(B,) L, D/2]
     if angles.ndim == 2:
         angles = angles[None]
@@ -132,17 +131,24 @@ class SelfAttention(nnx.Module):
 
     def __init__(self, hidden: int, heads: int, attention: Mapping[str, Any], *, rngs: nnx.Rngs,
                  dropout: float = 0.0, causal: bool = False, use_rotary: bool = False,
-                 rotary_base: float = 10000.0, use_bias: bool = True, dtype=None, param_dtype=jnp.float32):
+                 rotary_base: float = 10000.0, rope_scaling: str = "", use_bias: bool = True,
+                 qkv_bias: bool = False, dtype=None, param_dtype=jnp.float32):
+        """use_bias: biases on all four projections (BERT, ViT, GPT-2); qkv_bias: on the query, key and
+        value projections alone (Qwen2)."""
         if hidden % heads:
             raise ValueError(f"hidden size {hidden} is not a multiple of the number of heads {heads}")
         self.heads, self.head_dim = heads, hidden // heads
         self.causal, self.use_rotary, self.rotary_base = causal, use_rotary, float(rotary_base)
+        self.rope_scaling = str(rope_scaling)
+        if use_rotary:
+            rope.frequencies(self.head_dim, self.rotary_base, self.rope_scaling)   # a bad head dim or scaling: now
         kind, options, qk = attention_spec(attention)
         self.kind = attention_lib.get(kind, **options)
         proj = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias)
-        self.query = dense(hidden, hidden, ("embed", "heads"), **proj)
-        self.key = dense(hidden, hidden, ("embed", "heads"), **proj)
-        self.value = dense(hidden, hidden, ("embed", "heads"), **proj)
+        qkv = dict(proj, use_bias=use_bias or qkv_bias)
+        self.query = dense(hidden, hidden, ("embed", "heads"), **qkv)
+        self.key = dense(hidden, hidden, ("embed", "heads"), **qkv)
+        self.value = dense(hidden, hidden, ("embed", "heads"), **qkv)
         self.out = dense(hidden, hidden, ("heads", "embed"), **proj)
         self.qk_norm, self.qk_radius_max = qk["qk_norm"], float(qk["qk_radius_max"])
         # a vector of `heads` numbers: never sharded, and outside the weight-decay mask (matrices only)
@@ -196,7 +202,7 @@ class SelfAttention(nnx.Module):
             q, k = self.query_norm(q).astype(q.dtype), self.key_norm(k).astype(k.dtype)
         if self.use_rotary:
             pos = jnp.arange(l) if positions is None else positions
-            q, k = rotary(q, pos, self.rotary_base), rotary(k, pos, self.rotary_base)
+            q, k = (rotary(t, pos, self.rotary_base, self.rope_scaling) for t in (q, k))
         return q, k, v
 
     def __call__(self, x, mask=None, *, deterministic: bool = True, positions=None):

@@ -14,6 +14,7 @@ from favor import presets
 from favor.configcheck import ConfigError, is_int, is_number, one_of
 from favor.models.bert import Bert
 from favor.models.conformer import Conformer
+from favor.models import rope
 from favor.models.decoder import Decoder
 from favor.models.vit import ViT
 from favor.registry import Registry
@@ -98,6 +99,11 @@ def check(run) -> None:
                               else "must be a positive integer")
         if key.endswith("dropout") and not (is_number(v) and 0 <= v < 1):
             raise ConfigError(f"model.{key}", v, "must be in [0, 1)")
+    if "rope_scaling" in d:
+        try:
+            rope.parse(d["rope_scaling"])
+        except ValueError as e:
+            raise ConfigError("model.rope_scaling", d["rope_scaling"], str(e)) from None
     d["attention"] = {"kind": kind, **options, **qk}
     try:
         config(name, preset, **d)          # the keyword set as a model is built from it

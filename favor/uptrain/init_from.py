@@ -3,7 +3,7 @@
     run:<workdir>          the newest whole checkpoint of a favor run (any attention kind)
     run:<workdir>@<step>   that step of it
     <dir>                  a favor checkpoint directory: <workdir>/checkpoints, or one step in it
-    hf:<dir>               a Hugging Face BERT/ViT/GPT-2/Llama directory (config.json + safetensors)
+    hf:<dir>               a Hugging Face BERT/ViT/GPT-2/Llama/Qwen2/Mistral directory (config.json + safetensors)
 
 Parameters only: the optimizer starts fresh and the random features are drawn for the new kind (the
 model's own init draws them). The source run's config comes from its checkpoint metadata; a parameter
@@ -254,7 +254,8 @@ def _prune(tree):
 
 
 # what a Hugging Face decoder's config.json fixes about the computation and a shape check cannot catch
-DECODER_KEYS = ("norm", "mlp", "positions", "rotary_base", "tie_embeddings", "use_bias", "norm_eps")
+DECODER_KEYS = ("norm", "mlp", "positions", "rotary_base", "rope_scaling", "tie_embeddings", "use_bias", "qkv_bias",
+                "norm_eps")
 
 
 def _check_decoder(config, origin: Origin):
