@@ -22,7 +22,12 @@ init=<dir>: start from a Hugging Face GPT-2 or Llama directory (config.json + sa
 tokenizer.json when there is one): the model takes the checkpoint's sizes and layout
 (favor.models.hf.decoder_config), `model.init_from=hf:<dir>`, and the data its tokenizer.
 
-Args: data=tfds|local, runlocal, kind=<attention kind>, window=<band of exact softmax, 0 = none>, init=<dir>.
+text=<path>: train on your own text instead (favor.data.files): a .txt/.jsonl file, a directory of them or
+a glob; documents are a .txt file's paragraphs or a JSONL line's "text"; the last 2 % evaluate. With
+data=local the model takes the local sizes; with init=<dir> a Hugging Face model's, and its tokenizer.
+
+Args: data=tfds|local, runlocal, kind=<attention kind>, window=<band of exact softmax, 0 = none>, init=<dir>,
+text=<path>.
 """
 
 from pathlib import Path
@@ -33,7 +38,7 @@ from favor import configbase, presets
 
 
 def get_config(arg=None):
-    args = configbase.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", runlocal=False)
+    args = configbase.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", text="", runlocal=False)
     data = configbase.choice("data", args.data, ("tfds", "local"))
 
     c = configbase.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5_000,
@@ -71,6 +76,9 @@ def get_config(arg=None):
         c.total_steps, c.batch_size, c.eval_batch_size = 40, 16, 32
         c.checkpoint_every, c.eval_every, c.log_every = 20, 40, 5
         c.optim.update(lr=3e-3, warmup_steps=4)
+    if args.text:
+        # the user's own plain-text or JSONL files (favor.data.files): the last 2 % of documents evaluate
+        c.data.update(dataset=f"files:{args.text}", train_split="train[:98%]", eval_split="train[98%:]")
     # the preset's sizes as keys of their own, so a command line can set them (--config.model.hidden=128)
     sizes = presets.sizes("decoder", c.model.preset)
     for key in ("hidden", "num_layers", "heads", "mlp_dim"):

@@ -6,7 +6,8 @@ data name "text") or read for next-token prediction (CausalText, "causal_text").
 Pipeline
 - Corpus: any TFDS builder with a text feature (`wikipedia/...`, `c4/en`, ...), read with random access;
   `dataset="local"` is favor's own offline corpus (`favor_docstrings`: the standard library's
-  docstrings, built into the cache on first use).
+  docstrings, built into the cache on first use); `dataset="files:<path>"` the user's own plain-text or
+  JSONL files (favor.data.files).
 - Tokenizer: a given spec (`sentencepiece:<model>`, or `wordpiece:<vocab.txt>` to uptrain a Hugging Face
   BERT with its own vocabulary), or, when empty, a sentencepiece model that favor trains on a seeded
   sample of `tokenizer_sample` training documents, cached as
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from favor.data import local, tokenizers
+from favor.data import files, local, tokenizers
 from favor.data.atomic import unique_tag
 from favor.data.source import IndexedSource, open_tfds, records, text
 
@@ -116,9 +117,14 @@ class PackedText(IndexedSource):
         self.dataset, self.max_length = dataset, int(max_length)
         self.max_eval_rows = int(max_eval_rows)
         cache = Path(data_dir).expanduser() if data_dir else local.cache_dir()
-        train_src = open_tfds(dataset, train_split, data_dir)
-        eval_src = open_tfds(dataset, eval_split, data_dir)
-        safe = dataset.replace("/", "_")
+        if files.is_files(dataset):           # the user's own text files: no TFDS builder
+            train_src = files.open_split(dataset, train_split, text_field, "data.train_split")
+            eval_src = files.open_split(dataset, eval_split, text_field, "data.eval_split")
+            safe = files.cache_name(dataset)
+        else:
+            train_src = open_tfds(dataset, train_split, data_dir)
+            eval_src = open_tfds(dataset, eval_split, data_dir)
+            safe = dataset.replace("/", "_")
         if tokenizer:
             self.tokenizer = tokenizers.get(tokenizer)
         else:
