@@ -29,13 +29,21 @@ from favor.configcheck import UsageError
 log = logging.getLogger(__name__)
 
 
+# what orbax says of every read-only manager (a reader's: no saves, no pruning, no directory made), which
+# is what read_only asks for
+READ_ONLY_NOTES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+
+
 class _ItemMetadataNoise(logging.Filter):
     """orbax's composite restore asks each item's directory (<step>/state, <step>/meta) for the step metadata
     file that only <step>/ itself holds, and warns "Metadata file does not exist" for every item of every
     restore, a tool's included. The restore does not need it (the fingerprint checks what was read), so
-    that one warning about an item directory is dropped; the same message about a step directory stays."""
+    that one warning about an item directory is dropped; the same message about a step directory stays.
+    So are orbax's notes on every read-only manager (READ_ONLY_NOTES): a reader asked for exactly that."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(READ_ONLY_NOTES):
+            return False
         if not str(record.msg).startswith("Metadata file does not exist"):
             return True
         path = Path(str(record.args[0] if record.args else ""))
@@ -99,10 +107,11 @@ def shapes(tree) -> dict:
 
 def mismatch(saved: dict, wanted: dict, most: int = 3) -> str:
     """How a checkpoint's {path: shape} differs from the model's, in words ("" when it does not)."""
-    out = [f"{p} is not in the checkpoint" for p in sorted(set(wanted) - set(saved))]
-    out += [f"{p} is in the checkpoint but not in the model" for p in sorted(set(saved) - set(wanted))]
+    order = lambda paths: sorted(paths, key=lambda p: (not p.startswith("params."), p))   # parameters first
+    out = [f"{p} is not in the checkpoint" for p in order(set(wanted) - set(saved))]
+    out += [f"{p} is in the checkpoint but not in the model" for p in order(set(saved) - set(wanted))]
     out += [f"{p} has shape {saved[p]} in the checkpoint, {wanted[p]} in the model"
-            for p in sorted(set(saved) & set(wanted)) if saved[p] != wanted[p]]
+            for p in order(set(saved) & set(wanted)) if saved[p] != wanted[p]]
     more = f" and {len(out) - most} more differences" if len(out) > most else ""
     return "; ".join(out[:most]) + more
 

@@ -80,14 +80,37 @@ def test_a_resume_may_change_its_length_and_cadence(copy, caplog):
 
 def test_differences_name_every_key_but_the_resumable_ones():
     run = json.loads(tiny().to_json())
-    now = json.loads(tiny(**{"total_steps": 99, "mesh.data": 1, "data.data_dir": "/elsewhere", "optim.lr": 0.5,
-                             "model.attention.num_features": 32, "seed": 3}).to_json())
+    now = json.loads(tiny(**{"total_steps": 99, "mesh.data": 1, "model.attention.impl": "xla", "optim.lr": 0.5,
+                             "optim.accumulate_steps": 2, "model.attention.num_features": 32, "seed": 3}).to_json())
     assert rundir.differences(run, now) == [("model.attention.num_features", 16, 32), ("optim.lr", 0.01, 0.5),
                                             ("seed", 0, 3)]
-    # keys only one side has are another favor version's, not another run's
-    del now["optim"]["lr"]
-    now["model"]["new_key"] = 1
-    assert [k for k, _, _ in rundir.differences(run, now)] == ["model.attention.num_features", "seed"]
+    # the model compares as it is built: a key an older record lacks takes its default (dropout 0.0 is
+    # ViT's), an option the kind does not take is no difference
+    older = json.loads(tiny().to_json())
+    del older["model"]["dropout"]
+    softmax = lambda n: json.loads(tiny(**{"model.attention.kind": "softmax",
+                                           "model.attention.num_features": n}).to_json())
+    assert rundir.differences(older, run) == [] and rundir.differences(softmax(16), softmax(32)) == []
+    # an optional setting the run had and this start drops is a difference, in the model or elsewhere
+    anti = json.loads(default_config.get_config("runlocal,kind=favor+,antithetic=True").to_json())
+    plain = json.loads(default_config.get_config("runlocal,kind=favor+").to_json())
+    assert rundir.differences(anti, plain) == [("model.attention.antithetic", True, False)]
+    without = json.loads(tiny().to_json())
+    del without["optim"]["b1"]
+    assert [(k, repr(v)) for k, _, v in rundir.differences(run, without)] == [("optim.b1", "<missing>")]
+    # a key only this start has is a newer favor's
+    assert rundir.differences(without, run) == []
+
+
+def test_the_record_is_the_checkpoint_the_resume_would_continue(copy):
+    # a config.json that disagrees with the weights (an older favor rewrote it on every start) decides nothing
+    record = json.loads((copy / "config.json").read_text())
+    record["model"]["attention"]["kind"] = "relu"
+    (copy / "config.json").write_text(json.dumps(record))
+    before = snapshot(copy)
+    with pytest.raises(rundir.RunDirError, match="model.attention.kind='relu' here, 'softmax' in the run"):
+        job.run(tiny(**{"model.attention.kind": "relu", "total_steps": 12}), copy)
+    assert snapshot(copy) == before
 
 
 def test_a_start_that_fails_writes_nothing(softmax_run, tmp_path):
@@ -165,8 +188,14 @@ def test_train_py_refuses_a_workdir_that_is_not_its_own_in_one_line(copy, tmp_pa
     hf = tmp_path / "bert"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "hidden_size": 32}))
-    cases = [([str(a_file)], f"error: --workdir {a_file} is a file; it must be a directory"),
+    started = tmp_path / "started"            # stopped before its first checkpoint: config.json alone
+    started.mkdir()
+    (started / "config.json").write_text(tiny().to_json())
+    cases = [([str(a_file)], f"error: --workdir {a_file}: {a_file} is a file; the workdir must be a directory"),
+             ([str(a_file / "run")], f"error: --workdir {a_file / 'run'}: {a_file} is a file"),
              ([str(hf)], f"error: --workdir {hf}: its config.json is not a favor run's record"),
+             ([str(started), "--config.seed=1"], f"error: --workdir {started} holds a run of another configuration: "
+                                                 f"seed=1 here, 0 in the run. A resume may change only total_steps"),
              # another attention kind, init_from and LoRA targets over a finished run
              ([str(copy), f"--config.model.init_from=run:{copy}", "--config.uptrain.trainable=lora",
                "--config.uptrain.lora_targets=nonexistent"],
@@ -177,4 +206,6 @@ def test_train_py_refuses_a_workdir_that_is_not_its_own_in_one_line(copy, tmp_pa
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert lines[-1].startswith(says), lines[-1]
+        # where there is no checkpoint to start from, the way out is another directory, not init_from
+        assert ("it saved no checkpoint" in lines[-1]) == (workdir == str(started)), lines[-1]
     assert [snapshot(tmp_path), a_file.read_bytes()] == before

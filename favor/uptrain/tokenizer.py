@@ -38,8 +38,10 @@ def record_tokenizer(source, workdir: Path) -> None:
 
 def _spec_in(directory: Path) -> str | None:
     for name in (RECORD, OLD_RECORD):
-        f = directory / name
-        record = json.loads(f.read_text()) if f.exists() else None
+        try:
+            record = json.loads((directory / name).read_text())
+        except (OSError, ValueError):        # absent, or a file of the tokenizer's own that is not a record
+            continue
         if isinstance(record, dict) and isinstance(record.get("spec"), str):
             return record["spec"]
     return None
