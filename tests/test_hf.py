@@ -231,6 +231,58 @@ def test_imported_decoders_decode_as_their_full_pass(hf_reference, case):
                                    err_msg=f"{case} {kind}")
 
 
+TRANSFORMERS_LOGITS = """
+import sys, numpy as np, torch, transformers
+ids = torch.tensor(np.load(sys.argv[1]))
+for d in sys.argv[2:]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        np.save(d + "/logits.npy", model(input_ids=ids).logits.numpy())
+"""
+
+
+def test_a_saved_decoder_is_a_checkpoint_transformers_reads(tmp_path):
+    """save_decoder (what favor.tools.random_checkpoint writes) gives directories transformers loads to the
+    same logits as favor's model (GPT-2's layout with its fused c_attn; the Llama layout with rescaled
+    rotary frequencies; Qwen2's q/k/v biases), and that favor imports to the same parameters."""
+    import subprocess
+    cases = {"gpt2": dict(preset="gpt2", vocab_size=101, hidden=32, num_layers=2, heads=4, mlp_dim=48, max_positions=40),
+             "llama": dict(preset="tiny", vocab_size=101, hidden=32, heads=4, mlp_dim=48, max_positions=64,
+                           rotary_base=500.0, rope_scaling="llama3:factor=8,low_freq_factor=1,high_freq_factor=4,"
+                                                         "original_max_position_embeddings=16"),
+             "qwen2": dict(preset="tiny", vocab_size=101, hidden=32, heads=4, mlp_dim=48, max_positions=64,
+                           qkv_bias=True, tie_embeddings=True, rotary_base=1e6)}
+    ids = long_inputs()
+    np.save(tmp_path / "ids.npy", ids)
+    ours = {}
+    for name, options in cases.items():
+        preset = options.pop("preset")
+        model = models.get("decoder", preset, rngs=nnx.Rngs(3), **options)
+        for path, var in nnx.iter_graph(model):            # biases drawn: zeros would hide a dropped one
+            if isinstance(var, nnx.Param) and path[-1] == "bias":
+                var[...] = jax.random.normal(jax.random.key(len(path)), var[...].shape) * 0.5
+        models.hf.save_decoder(model, tmp_path / name)
+        ours[name] = np.asarray(model(jnp.asarray(ids))["logits"])
+        back = models.hf.load(tmp_path / name)
+        want, got = nnx.state(model, nnx.Param), nnx.state(back, nnx.Param)
+        assert jax.tree.structure(want) == jax.tree.structure(got)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+    done = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOGITS, str(tmp_path / "ids.npy"),
+                           *(str(tmp_path / n) for n in cases)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in cases:
+        assert np.max(np.abs(np.load(tmp_path / name / "logits.npy") - ours[name])) < TOL, name
+
+
+def test_random_checkpoint_writes_a_new_directory_only(tmp_path):
+    from favor.tools import random_checkpoint
+    assert random_checkpoint.main(["tiny", "--out", str(tmp_path / "ckpt"), "--vocab_size", "101"]) == 0
+    assert models.hf.load(tmp_path / "ckpt").config["vocab_size"] == 101
+    before = (tmp_path / "ckpt" / "model.safetensors").read_bytes()
+    assert random_checkpoint.main(["tiny", "--out", str(tmp_path / "ckpt"), "--seed", "1"]) == 2
+    assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == before
+
+
 def with_tokenizer(hf_reference, tmp_path, case):
     """A copy of a tiny decoder checkpoint with a tokenizer.json of its own (a word-level one, trained
     here)."""

@@ -34,7 +34,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from favor.models import rope, zoo
 from favor.models.layers import is_feature_map_param, is_qk_norm_param
@@ -423,4 +423,48 @@ def load(path, *, rngs: nnx.Rngs | None = None, **overrides) -> nnx.Module:
     return model
 
 
-__all__ = ["load", "decoder_config", "read_tensors", "bert_names", "vit_names", "gpt2_names", "llama_names"]
+def save_decoder(model, path) -> Path:
+    """Write a favor decoder as a Hugging Face directory (config.json + model.safetensors) that
+    transformers and `load` read: GPT2LMHeadModel for the GPT-2 layout, LlamaForCausalLM for the Llama
+    layout (Qwen2ForCausalLM with q/k/v biases), every key/value head its own (no grouping). What
+    favor.tools.random_checkpoint writes, so a recipe can be timed at a real model's size offline."""
+    c, path = model.config, Path(path)
+    gpt2 = c["positions"] == "learned"
+    params = {k: np.asarray(v[...], np.float32) for k, v in _params_by_path(model).items()}
+    if gpt2:
+        names, prefix = gpt2_names(c["num_layers"]), "transformer."
+    else:
+        names, prefix = llama_names(c["num_layers"], c["tie_embeddings"], c["qkv_bias"]), "model."
+    tensors = {}
+    for hf_name, (target, how) in names.items():
+        if how == "tied" or target not in params:      # a tied output is the embedding, stored once
+            continue
+        value = params[target].T if how == "T" else params[target]
+        tensors[hf_name if hf_name == "lm_head.weight" else prefix + hf_name] = np.ascontiguousarray(value)
+    if gpt2:                                            # GPT-2 keeps q, k, v as one Conv1D, [in, 3·out]
+        for i in range(c["num_layers"]):
+            for part in ("weight", "bias"):
+                qkv = [tensors.pop(f"transformer.h.{i}.attn.{p}.{part}") for p in ("query", "key", "value")]
+                tensors[f"transformer.h.{i}.attn.c_attn.{part}"] = np.concatenate(qkv, axis=-1)
+        cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c["vocab_size"],
+               "n_embd": c["hidden"], "n_layer": c["num_layers"], "n_head": c["heads"], "n_inner": c["mlp_dim"],
+               "n_positions": c["max_positions"], "activation_function": "gelu_new",
+               "layer_norm_epsilon": c["norm_eps"], "tie_word_embeddings": True}
+    else:
+        arch, kind = ("Qwen2ForCausalLM", "qwen2") if c["qkv_bias"] else ("LlamaForCausalLM", "llama")
+        cfg = {"architectures": [arch], "model_type": kind, "vocab_size": c["vocab_size"], "hidden_size": c["hidden"],
+               "intermediate_size": c["mlp_dim"], "num_hidden_layers": c["num_layers"],
+               "num_attention_heads": c["heads"], "num_key_value_heads": c["heads"],
+               "max_position_embeddings": c["max_positions"], "rms_norm_eps": c["norm_eps"],
+               "rope_theta": c["rotary_base"], "hidden_act": "silu", "tie_word_embeddings": c["tie_embeddings"]}
+        kind_, values = rope.parse(c["rope_scaling"])
+        if kind_:
+            cfg["rope_scaling"] = {"rope_type": kind_, **values}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+__all__ = ["load", "save_decoder", "decoder_config", "read_tensors", "bert_names", "vit_names", "gpt2_names",
+           "llama_names"]
