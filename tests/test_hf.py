@@ -307,6 +307,7 @@ def test_a_run_from_a_hugging_face_decoder_keeps_its_tokenizer_and_generates(hf_
     sys.path.insert(0, str(ROOT))
     from configs import decoder_lm
     path = with_tokenizer(hf_reference, tmp_path, case)
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     config = decoder_lm.get_config(f"runlocal,kind=favor+,init={path}")
     config.total_steps, config.checkpoint_every, config.eval_every, config.log_every = 2, 2, 2, 2
     run = tmp_path / "run"
@@ -317,6 +318,9 @@ def test_a_run_from_a_hugging_face_decoder_keeps_its_tokenizer_and_generates(hf_
     assert tokenizers.get(uptrain.recorded_tokenizer(run)).ids(text) == want
     assert generate.main(["--workdir", str(run), "--prompt", "return the value", "--max_tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("return the value")
+    # an instruct model's prompt: the chat template the tokenizer brought (here one that adds a space)
+    assert generate.main(["--workdir", str(run), "--prompt", "return the", "--max_tokens", "2", "--chat"]) == 0
+    assert capsys.readouterr().out.startswith("return the")
     config.total_steps = 3                                   # resumed: the record is kept as it is
     job.run(config, run)
     assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
@@ -356,3 +360,44 @@ def test_a_decoder_run_starts_from_a_hugging_face_checkpoint(hf_reference, docst
     config.model.rope_scaling = "ntk:factor=2"
     with pytest.raises(configlib.ConfigError, match=r"config.model.rope_scaling='ntk:factor=2': .*unknown type 'ntk'"):
         job.validate(config)
+
+
+def test_llama3_special_tokens_are_read_from_the_tokenizer_config(tmp_path):
+    """Llama 3's tokenizer: documents end with the tokenizer config's eos_token (<|end_of_text|> for the
+    base models, <|eot_id|> for the Instruct ones, as transformers reads it), begin with its bos_token;
+    without a tokenizer_config.json, Llama 3's own names are recognised."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+    from favor.data import tokenizers
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    words = Tokenizer(tok_models.WordLevel(unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator(["return the value of the file"] * 3,
+                              trainers.WordLevelTrainer(special_tokens=["<unk>", *special]))
+    words.save(str(tmp_path / "tokenizer.json"))
+    ids = {t: words.token_to_id(t) for t in special}
+    tok = tokenizers.get(f"hf:{tmp_path}")
+    assert (tok.cls_id, tok.sep_id) == (ids["<|begin_of_text|>"], ids["<|end_of_text|>"])
+    for eos in ("<|eot_id|>", {"content": "<|eot_id|>", "special": True}):       # the Instruct models' config
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                                    "eos_token": eos}))
+        tok = tokenizers.get(f"hf:{tmp_path}")
+        assert (tok.cls_id, tok.sep_id, tok.pad_id) == (ids["<|begin_of_text|>"], ids["<|eot_id|>"], ids["<|eot_id|>"])
+    # the Instruct models' chat template, from the config or from chat_template.jinja, rendered as
+    # transformers renders it (written out here by hand)
+    template = ("{{- bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+                " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+    want = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nreturn the value<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        tokenizers.get(f"hf:{tmp_path}").chat("return the value")
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    assert tokenizers.get(f"hf:{tmp_path}").chat(" return the value ") == want
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tok = tokenizers.get(f"hf:{tmp_path}")
+    assert tok.chat("return the value") == want
+    assert tok.ids([want])[0][0] == ids["<|begin_of_text|>"]           # the template's specials are tokens
+    tok.save(tmp_path / "saved")                                          # and travel with a run
+    assert (tmp_path / "saved" / "chat_template.jinja").read_text() == template

@@ -111,6 +111,7 @@ class HuggingFace(Tokenizer):
         self.tok = FastTokenizer.from_file(str(path))
         cfg_file = self.directory / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        self.config = cfg
         vocab = self.tok.get_vocab(with_added_tokens=True)
         find = lambda name, fallbacks: next((vocab[t] for t in [_special(cfg, name), *fallbacks] if t in vocab), None)
         self.sep_id = find("eos_token", self.EOS_NAMES)
@@ -130,10 +131,43 @@ class HuggingFace(Tokenizer):
         return self.tok.decode([int(i) for i in ids])
 
     def save(self, directory) -> str:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (self.directory / name).exists():
                 copy_file(self.directory / name, Path(directory) / name)
         return "hf:."
+
+    def chat_template(self) -> str | None:
+        """The chat template as transformers finds it: chat_template.jinja beside tokenizer.json, else
+        tokenizer_config.json's chat_template (a string, or named templates of which "default")."""
+        f = self.directory / "chat_template.jinja"
+        if f.exists():
+            return f.read_text()
+        t = self.config.get("chat_template")
+        if isinstance(t, list):
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        return t if isinstance(t, str) and t else None
+
+    def chat(self, prompt: str) -> str:
+        """`prompt` as the user's turn of the chat template, ready for the model's reply: what transformers'
+        apply_chat_template(messages, add_generation_prompt=True, tokenize=False) renders (jinja2 in a
+        sandbox, blocks trimmed, the config's special tokens, raise_exception and strftime_now)."""
+        template = self.chat_template()
+        if template is None:
+            raise ValueError(f"{self.directory}: the tokenizer has no chat template (chat_template.jinja or "
+                             f"tokenizer_config.json's chat_template); give the prompt as plain text")
+        import datetime
+
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"{self.directory}: the chat template refused the prompt: {message}")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+        tokens = {name: _special(self.config, name) or "" for name in ("bos_token", "eos_token", "pad_token")}
+        return env.from_string(template).render(messages=[{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, **tokens)
 
 
 class SentencePiece(Tokenizer):

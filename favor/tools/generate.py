@@ -101,10 +101,16 @@ def main(argv=None) -> int:
     parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens; 0: all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep_going", action="store_true", help="do not stop at the end of a document")
+    parser.add_argument("--chat", action="store_true", help="the prompt as a user's turn of the tokenizer's chat "
+                                                            "template (a Hugging Face instruct model's)")
     args = parser.parse_args(argv)
     try:
         config, model, tokenizer = load(args.workdir)
-        ids = tokenizer.ids([args.prompt])[0]
+        if args.chat and not hasattr(tokenizer, "chat"):
+            raise ValueError(f"generate: --chat needs a Hugging Face tokenizer with a chat template; the run's is "
+                             f"{type(tokenizer).__name__}")
+        prompt = tokenizer.chat(args.prompt) if args.chat else args.prompt
+        ids = tokenizer.ids([prompt])[0]
         if not ids:
             raise ValueError(f"generate: the prompt {args.prompt!r} encodes to no tokens")
         out = generate(model, np.asarray([ids]), args.max_tokens, args.temperature, args.top_k, args.seed,
