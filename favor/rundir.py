@@ -129,6 +129,9 @@ def differences(recorded: dict, config: dict) -> list[tuple[str, object, object]
             continue
         if have[key] != want.get(key, MISSING):
             out.append((key, have[key], want.get(key, MISSING)))
+    kind = [d for d in out if d[0] == "model.attention.kind"]
+    if kind:     # another kind: its own options are the consequence, named first, the other kind's left out
+        out = kind + [d for d in out if d not in kind and not (d[0].startswith("model.attention.") and d[2] is MISSING)]
     return out
 
 

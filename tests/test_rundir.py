@@ -91,6 +91,8 @@ def test_differences_name_every_key_but_the_resumable_ones():
     softmax = lambda n: json.loads(tiny(**{"model.attention.kind": "softmax",
                                            "model.attention.num_features": n}).to_json())
     assert rundir.differences(older, run) == [] and rundir.differences(softmax(16), softmax(32)) == []
+    # another kind is the difference, not the options only the run's kind has
+    assert rundir.differences(run, softmax(16)) == [("model.attention.kind", "favor++", "softmax")]
     # an optional setting the run had and this start drops is a difference, in the model or elsewhere
     anti = json.loads(default_config.get_config("runlocal,kind=favor+,antithetic=True").to_json())
     plain = json.loads(default_config.get_config("runlocal,kind=favor+").to_json())
