@@ -69,7 +69,8 @@ def test_bad_files_are_one_clear_error(tmp_path):
         files.paths(f"files:{tmp_path / '*'}")
     (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(configlib.ConfigError, match=r"config.data.eval_split='train\[99%:\]': holds none of the 1 "):
-        files.open_split(f"files:{tmp_path / 'x.jsonl'}", "train[99%:]", "text", "data.eval_split")
+        files.open_splits(f"files:{tmp_path / 'x.jsonl'}", "text", {"data.train_split": "train",
+                                                                      "data.eval_split": "train[99%:]"})
 
 
 def word_tokenizer(directory: Path) -> str:

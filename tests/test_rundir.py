@@ -157,6 +157,24 @@ def test_a_checkpoint_of_another_model_is_refused_not_set_aside(tmp_path):
     assert step == 5 and np.array_equal(jax.random.key_data(state["key"]), jax.random.key_data(jax.random.key(7)))
 
 
+def test_a_mismatch_names_the_parameters_first():
+    saved = {"opt_state.0.mu.w": (3,), "params.w": (3,), "step": ()}
+    wanted = {"opt_state.0.mu.w": (4,), "params.w": (4,), "step": ()}
+    assert checkpoint.mismatch(saved, wanted, most=1) == ("params.w has shape (3,) in the checkpoint, (4,) in the "
+                                                         "model and 1 more differences")
+
+
+def test_a_bench_refused_by_its_workdir_is_one_line(monkeypatch, capsys):
+    from favor.bench import cli
+
+    def refuse(*args):
+        raise rundir.RunDirError("--workdir w holds a run of another configuration")
+    monkeypatch.setattr(cli.SUBCOMMANDS["headline"], "main", refuse)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["headline"])
+    assert e.value.code == 2 and capsys.readouterr().err == "error: --workdir w holds a run of another configuration\n"
+
+
 def test_a_reader_skips_a_damaged_step_without_renaming_it(tmp_path):
     ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", asynchronous=False)
     for step in (1, 2):
@@ -166,10 +184,19 @@ def test_a_reader_skips_a_damaged_step_without_renaming_it(tmp_path):
         if f.is_file() and f.parent.name == "d":
             f.write_bytes(os.urandom(f.stat().st_size))
     before = snapshot(tmp_path)
-    with pytest.warns(UserWarning, match="checkpoint step 2 .* unreadable or damaged"):
-        _, _, step = checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True).restore_latest(
-            _abstract(_state()))
+    import logging
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("absl").addHandler(handler)
+    try:
+        with pytest.warns(UserWarning, match="checkpoint step 2 .* unreadable or damaged"):
+            _, _, step = checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True).restore_latest(
+                _abstract(_state()))
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
     assert step == 1 and snapshot(tmp_path) == before
+    assert not [m for m in seen if m.startswith(checkpoint.READ_ONLY_NOTES)]   # a reader's notes are dropped
 
 
 def test_a_checkpointer_makes_its_directory_only_when_it_saves(tmp_path):

@@ -88,15 +88,18 @@ def split_slice(split: str, n: int, key: str = "data.train_split") -> slice:
     return slice(at(a, a_pct), at(b, b_pct))
 
 
-def open_split(dataset: str, split: str, field: str, key: str = "data.train_split") -> list[dict]:
-    """The split's documents as records {field: text}: what the text pipeline reads through
-    favor.data.source.records, as it reads a TFDS source."""
+def open_splits(dataset: str, field: str, splits: dict[str, str]) -> dict[str, list[dict]]:
+    """{config key: that split's documents as records {field: text}} for {config key: split}, the files
+    read once: what the text pipeline reads through favor.data.source.records, as it reads a TFDS source."""
     docs = documents(paths(dataset), field)
-    chosen = docs[split_slice(split, len(docs), key)]
-    if not chosen:
-        raise ConfigError(key, split, f"holds none of the {len(docs)} documents of {dataset}; give more text or "
-                                      f"another slice ({SPLIT_FORMS})")
-    return [{field: d} for d in chosen]
+    out = {}
+    for key, split in splits.items():
+        chosen = docs[split_slice(split, len(docs), key)]
+        if not chosen:
+            raise ConfigError(key, split, f"holds none of the {len(docs)} documents of {dataset}; give more text or "
+                                          f"another slice ({SPLIT_FORMS})")
+        out[key] = [{field: d} for d in chosen]
+    return out
 
 
 def cache_name(dataset: str) -> str:

@@ -118,8 +118,9 @@ class PackedText(IndexedSource):
         self.max_eval_rows = int(max_eval_rows)
         cache = Path(data_dir).expanduser() if data_dir else local.cache_dir()
         if files.is_files(dataset):           # the user's own text files: no TFDS builder
-            train_src = files.open_split(dataset, train_split, text_field, "data.train_split")
-            eval_src = files.open_split(dataset, eval_split, text_field, "data.eval_split")
+            read = files.open_splits(dataset, text_field, {"data.train_split": train_split,
+                                                           "data.eval_split": eval_split})
+            train_src, eval_src = read["data.train_split"], read["data.eval_split"]
             safe = files.cache_name(dataset)
         else:
             train_src = open_tfds(dataset, train_split, data_dir)
