@@ -52,7 +52,7 @@ def get_config(arg=None):
     c.data = {"name": "text", "dataset": "wikipedia/20230601.en", "text_field": "text",
               "train_split": "train[:99%]", "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "",
               "vocab_size": 32000, "tokenizer_sample": 200_000, "max_length": 512, "mask_rate": 0.15,
-              "max_documents": 0, "max_eval_rows": 2048}
+              "max_documents": 0, "packing": "stream", "max_eval_rows": 2048}
     c.task = {"name": "mlm"}
     c.model = ml_collections.ConfigDict()
     c.model.name, c.model.preset, c.model.head = "bert", "base", "mlm"

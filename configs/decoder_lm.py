@@ -45,7 +45,7 @@ def get_config(arg=None):
                              keep_checkpoints=3)
     c.data = {"name": "causal_text", "dataset": "wikipedia/20230601.en", "text_field": "text",
               "train_split": "train[:99%]", "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "",
-              "vocab_size": 32000, "tokenizer_sample": 200_000, "max_length": 1024, "max_documents": 0,
+              "vocab_size": 32000, "tokenizer_sample": 200_000, "max_length": 1024, "max_documents": 0, "packing": "documents",
               "max_eval_rows": 1024}
     c.task = {"name": "causal_lm"}
     c.model = ml_collections.ConfigDict()

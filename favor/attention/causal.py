@@ -48,7 +48,7 @@ def _span(chunk, length, span=None):
 
 @jit_when_eager("query_map", "key_map", "positive", "chunk_size", "path", "span")
 def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK,
-                path="auto", span=None, floor=None):
+                path="auto", span=None, floor=None, runs=None):
     """[B, H, Lq, Dv] with query i seeing keys ≤ i + (Lk − Lq) (queries aligned to the last keys, as in
     decoding after a prefix), the features made from inputs span by span (maps and inputs as in
     `bidirectional_maps`). Every quantity the output at i is computed from — the fitted parameters are
@@ -64,7 +64,8 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     the guarantee can be wrong, gradients included: it is for benchmarks and tests. "auto" decides per
     span on all its keys, so a later token of the same span can switch the path and move an output at
     rounding level (each path alone is causal bit for bit). `floor` as in `bidirectional_maps`
-    (here `jensen_floor(..., causal=True)`: prefix sums, causal too).
+    (here `jensen_floor(..., causal=True)`: prefix sums, causal too). `runs` [B, Lk]: packed
+    documents (favor.attention.documents.runs), each query seeing the keys of its own only.
     """
     if path not in PATHS:
         raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
@@ -74,12 +75,17 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
                          f"got Lq = {l_q}, Lk = {l_k}")
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
         x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
-    out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, chunk_size, path, span)
+    if runs is None:
+        out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, chunk_size, path, span)
+    else:
+        from favor.attention import documents     # it builds on this module's spans and paths
+        out, scale = documents.causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, runs, runs,
+                                           chunk_size, path, span)
     return ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
 
 
 @jit_when_eager("positive", "chunk_size")
-def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
+def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK, runs=None):
     """Causal attention for an elementwise feature map φ ≥ 0 with no exponential in it (ReLU, ELU + 1):
     the features fq = φ(x) [B, H, Lq, F], fk = φ(y) [B, H, Lk, F] are used as they are, not through log
     space — they cannot
@@ -89,7 +95,8 @@ def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
     earlier chunks by a running sum (`exclusive_prefix`), the chunk's own keys by a masked [C, C] product.
     Queries aligned to the last keys (Lq ≤ Lk). Exact to rounding while `plain_features_safe` holds
     (products that underflow would be lost: features of 1e-19 whose products carry a row's only mass); a
-    query whose features are all 0 outputs 0."""
+    query whose features are all 0 outputs 0. `runs` [B, Lk]: packed documents (as `causal_maps`): the
+    state restarts at each document's start and the in-chunk product is masked to the document."""
     l_q, l_k = fq.shape[2], fk.shape[2]
     if l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
@@ -105,12 +112,27 @@ def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK):
     # ran 2.5 times slower (a profile of this pass at L = 8192). Together with the running sum below, the
     # pass alone went from 23.7 to 15.2 ms there (ReLU's features, C = 64, round-robin)
     fk_t = jnp.swapaxes(fk_n, -1, -2)                                                   # [B, H, N, F, C]
-    states = jnp.einsum("bhnfc,bhncd->bhnfd", fk_t, v_n)                                # [B, H, N, F, Dv]
-    prefix, key_prefix = exclusive_prefix(states), exclusive_prefix(jnp.sum(fk_n, axis=3))
     tril = jnp.tril(jnp.ones((c, c), bool))
+    fq_pre = fq_n
+    if runs is None:
+        states = jnp.einsum("bhnfc,bhncd->bhnfd", fk_t, v_n)                            # [B, H, N, F, Dv]
+        prefix, key_prefix = exclusive_prefix(states), exclusive_prefix(jnp.sum(fk_n, axis=3))
+    else:
+        from favor.attention import documents
+        n = fk_n.shape[2]
+        r_n = jnp.pad(runs, ((0, 0), (0, n * c - l_k)), mode="edge").reshape(runs.shape[0], n, c)
+        last = r_n[:, :, -1]
+        before = jnp.concatenate([jnp.full_like(last[:, :1], documents.NO_RUN), last[:, :-1]], axis=1)
+        tail = (r_n == last[..., None])[:, None, :, None, :]                            # the chunk's last document
+        fk_tail = jnp.where(tail, fk_t, 0.0)
+        prefix = documents.exclusive_prefix(jnp.einsum("bhnfc,bhncd->bhnfd", fk_tail, v_n), last, before)
+        key_prefix = documents.exclusive_prefix(jnp.sum(fk_tail, axis=4), last, before)
+        reads = (r_n == before[..., None])[:, None, :, :, None]                          # [B, 1, N, c, 1]
+        fq_pre = jnp.where(reads, fq_n, 0.0)          # only queries of the document open at the chunk's start
+        tril = tril & (r_n[..., :, None] == r_n[..., None, :])[:, None]
     scores = jnp.where(tril, jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n), 0.0)
-    num = jnp.einsum("bhnif,bhnfd->bhnid", fq_n, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v_n)
-    den = jnp.einsum("bhnif,bhnf->bhni", fq_n, key_prefix) + jnp.sum(scores, axis=-1)
+    num = jnp.einsum("bhnif,bhnfd->bhnid", fq_pre, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v_n)
+    den = jnp.einsum("bhnif,bhnf->bhni", fq_pre, key_prefix) + jnp.sum(scores, axis=-1)
     b, h, n = num.shape[:3]
     rows = slice(l_k - l_q, l_k)
     return divide(num.reshape(b, h, n * c, -1)[:, :, rows], den.reshape(b, h, n * c)[:, :, rows], positive)

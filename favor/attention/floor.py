@@ -48,12 +48,13 @@ class Floor:
     log_mass: jax.Array | None = None
 
 
-def jensen_floor(x, y, v, valid=None, causal=False, norms=None) -> Floor:
+def jensen_floor(x, y, v, valid=None, causal=False, norms=None, runs=None) -> Floor:
     """The denominator's floor for every query: x [B, H, Lq, D], y [B, H, Lk, D] the kernel's inputs,
     v [B, H, Lk, Dv], valid [B, Lk] or None; causal: queries aligned to the last keys, each seeing the
     keys up to its own position; norms: (log‖φ_q‖ [B, H, Lq], log‖φ_k‖ [B, H, Lk]) (`log_norm_bounds`) for
     the rounding bound's mass (`Floor.log_mass`), or None for a floor without it (diagnostics that only
-    compare denominators with the bound).
+    compare denominators with the bound); runs [B, Lk]: packed documents (favor.attention.documents),
+    each query's keys those of its own document (x and y of one length).
 
     By Jensen (exp is convex), Σ_j exp(x_iᵀy_j) ≥ n_i·exp(x_iᵀȳ_i), ȳ_i the mean of the n_i keys query
     i sees: O(L·D), causal through prefix sums, and never looser than the norm bound
@@ -64,6 +65,8 @@ def jensen_floor(x, y, v, valid=None, causal=False, norms=None) -> Floor:
     ones = jnp.broadcast_to(w, (w.shape[0], 1, l_k, 1))
     big = jnp.finfo(F32).max
     v_lo, v_hi = jnp.where(w > 0, v, big), jnp.where(w > 0, v, -big)
+    if runs is not None:
+        return _document_floor(x, y, v, w, causal, norms, runs)
     if causal:
         rows = lambda a: a[:, :, l_k - l_q:]
         ysum, vsum, count = (rows(cumulative_sum(a)) for a in (y * w, v * w, ones))
@@ -80,6 +83,38 @@ def jensen_floor(x, y, v, valid=None, causal=False, norms=None) -> Floor:
             nk = jnp.where(jnp.asarray(valid, bool)[:, None, :], nk, NEG_INF)
         nk = rows(cumulative(nk, jnp.logaddexp, NEG_INF)) if causal else jax.nn.logsumexp(nk, axis=2, keepdims=True)
         mass = jnp.where(count[..., 0] > 0, nq + nk, NEG_INF)
+    return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high,
+                 log_mass=mass)
+
+
+def _document_floor(x, y, v, w, causal, norms, runs):
+    """jensen_floor over packed documents: the sums, extremes and counts per document, running (causal)
+    or the document's whole (a running reduction restarting at each document, read at its last token)."""
+    from favor.attention import documents      # documents builds on this module's ratio
+    r = runs[:, None, :, None]
+    big = jnp.finfo(F32).max
+    over = lambda a, op, fill: documents.segmented(a, r if a.ndim == 4 else runs[:, None], op, fill, axis=2)
+    if not causal:
+        ends = documents.segmented(jnp.flip(jnp.arange(runs.shape[1])[None].repeat(runs.shape[0], 0), 1),
+                                   jnp.flip(runs, 1), jnp.maximum, -1)
+        ends = jnp.flip(ends, 1)[:, None, :]                                       # each token's document's end
+        whole = lambda a: jnp.take_along_axis(a, ends[..., None] if a.ndim == 4 else ends, axis=2)
+        running = over
+        over = lambda a, op, fill: whole(running(a, op, fill))
+    drop = y.shape[2] - x.shape[2]               # causal queries aligned to the last keys
+    reduced = over
+    over = lambda a, op, fill: reduced(a, op, fill)[:, :, drop:]
+    ones = jnp.broadcast_to(w, (w.shape[0], 1, w.shape[2], 1))
+    ysum, vsum, count = (over(a, jnp.add, 0.0) for a in (y * w, v * w, ones))
+    low = over(jnp.where(w > 0, v, big), jnp.minimum, big)
+    high = over(jnp.where(w > 0, v, -big), jnp.maximum, -big)
+    n = jnp.maximum(count, 1.0)
+    log = jnp.log(n[..., 0]) + jnp.einsum("bhld,bhld->bhl", x, jnp.broadcast_to(ysum, x.shape)) / n[..., 0]
+    mass = None
+    if norms is not None:
+        nq, nk = (sg(a.astype(F32)) for a in norms)
+        nk = jnp.where(w[..., 0] > 0, nk, NEG_INF)
+        mass = jnp.where(count[..., 0] > 0, nq + over(nk, jnp.logaddexp, NEG_INF), NEG_INF)
     return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high,
                  log_mass=mass)
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from favor import kernels
-from favor.attention import (bidirectional, causal as causal_lib, decoding, floor as floor_lib, fused, linear,
-                             schedule, window as window_lib)
+from favor.attention import (bidirectional, causal as causal_lib, decoding, documents, floor as floor_lib, fused,
+                             linear, schedule, window as window_lib)
 from favor.kernels.base import pytree_dataclass
 
 def check_qkv(q, k, v, mask, query_mask=None):
@@ -48,6 +48,27 @@ def check_causal_lengths(q, k):
     if q.shape[1] > k.shape[1]:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
                          f"got Lq = {q.shape[1]}, Lk = {k.shape[1]}")
+
+
+def document_runs(segment_ids, q, k, causal):
+    """segment_ids [B, Lk] (each token's document; None: one document per row) -> the runs the passes
+    take (favor.attention.documents.runs), or None. A query sees only the keys of its own document."""
+    if segment_ids is None:
+        return None
+    seg = documents.check_segments(segment_ids, k.shape[0], k.shape[1])
+    if not causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"segment_ids mark the documents of one sequence, so bidirectional attention with them "
+                         f"needs Lq = Lk; got Lq = {q.shape[1]}, Lk = {k.shape[1]}")
+    return documents.runs(seg)
+
+
+def last_document(valid, segment_ids, k):
+    """The prefill's key mask: `valid` narrowed to the prompt's last document when segment_ids are given."""
+    if segment_ids is None or k.shape[1] == 0:
+        return valid
+    r = documents.runs(documents.check_segments(segment_ids, k.shape[0], k.shape[1]))
+    last = r == r[:, -1:]
+    return last if valid is None else jnp.asarray(valid, bool) & last
 
 
 def _to_bhld(a):
@@ -96,12 +117,19 @@ class Softmax(Attention):
         return self.impl == "cudnn"
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
-                 stats=None):
+                 stats=None, segment_ids=None):
         check_qkv(q, k, v, mask, query_mask)
+        runs = document_runs(segment_ids, q, k, causal)
+        if runs is not None and self.impl == "cudnn":
+            raise ValueError("softmax: impl='cudnn' runs without segment_ids (cuDNN's fused attention here takes "
+                             "no document mask); impl='auto' runs packed documents on XLA")
         if not self.window and self._cudnn(q, k, v, mask, causal):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
         m = None if mask is None else jnp.asarray(mask, bool)[:, None, None, :]
         lq, lk = q.shape[1], k.shape[1]
+        if runs is not None:      # queries aligned to the last keys, as the causal mask below
+            same = documents.same_document(runs[:, lk - lq:], runs)[:, None]
+            m = same if m is None else m & same
         if causal:
             check_causal_lengths(q, k)
             tri = jnp.tril(jnp.ones((lq, lk), bool), k=lk - lq)[None, None]
@@ -122,7 +150,7 @@ class Softmax(Attention):
                                            scale=d ** -0.5)[..., :dv]
         if mask is not None:   # a query with no valid key attends to nothing: 0, not NaN
             seen = jnp.asarray(mask, bool)
-            if self.window:          # the valid keys each query's band holds (m has the padding in it)
+            if self.window or runs is not None:          # the valid keys each query's band holds (m has the padding in it)
                 sees = jnp.any(m, -1)[:, 0]                                           # [B, Lq]
                 out = jnp.where(sees[:, :, None, None], out, 0.0)
             elif causal:
@@ -217,7 +245,7 @@ class FeatureAttention(Attention, abc.ABC):
         # reach (see ElementwiseAttention); their off-band pass takes the exact one
         return self.causal_path if self.finite_features or self.causal_path != "auto" else "exact"
 
-    def _windowed(self, q, k, v, mask, causal, ctx, mix):
+    def _windowed(self, q, k, v, mask, causal, ctx, mix, runs=None):
         if not causal and q.shape[1] != k.shape[1]:
             raise ValueError(f"{self.name} with window={self.window}: the band relates positions of one "
                              f"sequence, so bidirectional attention needs Lq = Lk; got {q.shape[1]} and {k.shape[1]}")
@@ -226,8 +254,8 @@ class FeatureAttention(Attention, abc.ABC):
         vv = _to_bhld(v)
         out = window_lib.attend(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.window,
                                 causal, self.chunk_size, self._window_path(), self.causal_span,
-                                self.floor(x, y, vv, mask, causal, ctx), band=band,
-                                log_mix=self._log_mix(mix, q.shape[2]))
+                                self.floor(x, y, vv, mask, causal, ctx, runs), band=band,
+                                log_mix=self._log_mix(mix, q.shape[2]), runs=runs)
         return _to_bhld(out).astype(v.dtype)
 
     def context(self, q, k, mask=None, rng=None, step=None, query_mask=None, draw=None, stats=None,
@@ -258,18 +286,21 @@ class FeatureAttention(Attention, abc.ABC):
         """F for head dim `dim`."""
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
-                 stats=None, mix=None):
+                 stats=None, mix=None, segment_ids=None):
         """`draw`: a stored `base_draw` (random-feature kinds) or a learned map's weights, used instead of
-        drawing from rng; `mix`: the learned window mix's logits [H] (window_mix='learned')."""
+        drawing from rng; `mix`: the learned window mix's logits [H] (window_mix='learned');
+        `segment_ids` [B, Lk]: packed documents (favor.attention.documents), a query seeing only the keys
+        of its own."""
         check_qkv(q, k, v, mask, query_mask)
         if causal:
             check_causal_lengths(q, k)
+        runs = document_runs(segment_ids, q, k, causal)
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
         if self.window:
-            return self._windowed(q, k, v, mask, causal, ctx, mix)
+            return self._windowed(q, k, v, mask, causal, ctx, mix, runs)
         vv = _to_bhld(v)
         x, y = self.inputs(q, k)
-        floor = self.floor(x, y, vv, mask, causal, ctx)
+        floor = self.floor(x, y, vv, mask, causal, ctx, runs)
         if causal:
             if self.causal_path == "auto" and not self.finite_features:
                 # features with no exponential in them need no log space (causal_lib.causal_plain) unless
@@ -282,14 +313,22 @@ class FeatureAttention(Attention, abc.ABC):
                 # 25.7 outside (forward, L = 8192, round-robin). Out of range it runs on zeros (outputs 0,
                 # finite gradients), so its unused result never makes a NaN gradient
                 plain = causal_lib.causal_plain(jnp.where(safe, fq, 0.0), jnp.where(safe, fk, 0.0), vv, mask,
-                                                self.positive, self.chunk_size)
+                                                self.positive, self.chunk_size, runs)
                 exact = lambda plain, x, y, vv: causal_lib.causal_maps(
                     self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.chunk_size, "exact",
-                    self.causal_span)
+                    self.causal_span, runs=runs)
                 out = jax.lax.cond(safe, lambda plain, x, y, vv: plain, exact, plain, x, y, vv)
             else:
                 out = causal_lib.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
-                                         self.chunk_size, self.causal_path, self.causal_span, floor)
+                                         self.chunk_size, self.causal_path, self.causal_span, floor, runs)
+        elif runs is not None:
+            # the causal sums plus those of the reversed sequence: twice a causal pass (a state per document
+            # would need the documents' count, which only the data knows). Maps with exact zero features
+            # take the exact log-space path, as their window does
+            out = documents.bidirectional(self.query_map, self.key_map, ctx, x, y, vv, mask, runs, self.positive,
+                                          self.chunk_size or causal_lib.CAUSAL_CHUNK,
+                                          "exact" if "exact" in (self._window_path(), self.causal_path) else "auto",
+                                          self.causal_span, floor)
         else:
             out = bidirectional.bidirectional_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
                                             self.bidirectional_chunk, floor)
@@ -300,7 +339,7 @@ class FeatureAttention(Attention, abc.ABC):
         finite_features (ReLU/ELU: `phi` elementwise)."""
         return self.phi(x), self.phi(y)
 
-    def floor(self, x, y, v, mask, causal, ctx):
+    def floor(self, x, y, v, mask, causal, ctx, runs=None):
         """What a sign-indefinite kind's ratio is floored by (floor_lib.jensen_floor: the bound
         n_i·exp(x_iᵀȳ_i) over the keys query i sees, x and y the kernel's inputs, those keys' value
         statistics, and the rows' feature norms for the rounding bound); None for positive kinds, whose
@@ -308,7 +347,7 @@ class FeatureAttention(Attention, abc.ABC):
         if self.positive:
             return None
         norms = floor_lib.log_norm_bounds(*self.query_map(ctx, x)), floor_lib.log_norm_bounds(*self.key_map(ctx, y))
-        return floor_lib.jensen_floor(x, y, v, mask, causal, norms)
+        return floor_lib.jensen_floor(x, y, v, mask, causal, norms, runs)
 
     # -- incremental decoding ----------------------------------------------------------------------
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
@@ -321,9 +360,11 @@ class FeatureAttention(Attention, abc.ABC):
                                           signed=not self.positive)
         return decoding.decode_init(batch, heads, self.feature_dim(dim), dv, None if self.positive else dim)
 
-    def decode_prefill(self, k, v, ctx=None, valid=None):
+    def decode_prefill(self, k, v, ctx=None, valid=None, segment_ids=None):
         """The state after keys k [B, L, H, D] and values v [B, L, H, Dv] (valid [B, L] or None), as
-        decode_init then decode_step token by token would leave it, computed at once: a prompt's prefill."""
+        decode_init then decode_step token by token would leave it, computed at once: a prompt's prefill.
+        `segment_ids` [B, L]: a prompt of packed documents leaves the state of its last document."""
+        valid = last_document(valid, segment_ids, k)
         if k.shape[1] == 0:
             return self.decode_init(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
         _, y = self.inputs(k, k)
@@ -724,7 +765,13 @@ class RandomFeatureAttention(FeatureAttention):
         return _to_bhld(out).astype(v.dtype)
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
-                 stats=None, mix=None):
+                 stats=None, mix=None, segment_ids=None):
+        if segment_ids is not None:
+            if self.impl.startswith("pallas"):
+                raise ValueError(f"{self.name}: impl={self.impl!r} runs without segment_ids (the fused kernel "
+                                 "does not yet restart its state at documents); impl='auto' or 'xla' runs packed "
+                                 "documents")
+            return super().__call__(q, k, v, mask, causal, rng, step, draw, query_mask, stats, mix, segment_ids)
         if self.uses_fused(causal, q, k):
             check_qkv(q, k, v, mask, query_mask)
             if causal:
@@ -754,7 +801,8 @@ class RandomFeatureAttention(FeatureAttention):
         floor = floor_lib.jensen_floor(x, y, jnp.zeros((*y.shape[:3], 1), jnp.float32), mask, causal)
         return (den <= 0) & jnp.isfinite(scale), floor_lib.below_floor(den[..., None], scale, floor)
 
-    def decode_prefill(self, k, v, ctx=None, valid=None):
+    def decode_prefill(self, k, v, ctx=None, valid=None, segment_ids=None):
+        valid = last_document(valid, segment_ids, k)
         if k.shape[1] and self.uses_fused(False, k, k):
             _, y = self.scaled(k, k)
             tau, total = fused.prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid,

@@ -210,3 +210,13 @@ def _valid_chunks(valid, l, c):
 def _row_scaled(lk, sk):
     """The per-row form (favor.kernels.base): a log-scale [.., L, 1] and bounded values [.., L, F]."""
     return sk is not None and lk.shape[-1] == 1 and sk.shape[-1] > 1
+
+
+def combine(parts):
+    """(Σ of (out, log-scale) parts on the largest scale of each row, that scale); parts with scale −inf
+    hold nothing."""
+    top = jnp.max(jnp.stack([s for _, s in parts]), axis=0)
+    total = 0.0
+    for out, s in parts:
+        total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - finite_or(top)), 0.0)[..., None]
+    return total, top

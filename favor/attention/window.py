@@ -36,9 +36,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from favor.attention import causal as causal_lib, decoding, floor as floor_lib, linear
+from favor.attention import causal as causal_lib, decoding, documents, floor as floor_lib, linear
 from favor.attention.floor import ratio
-from favor.attention.linear import F32, NEG_INF, finite_or, ones_column, seq_length
+from favor.attention.linear import F32, NEG_INF, combine, finite_or, ones_column, seq_length
 
 sg = jax.lax.stop_gradient
 MIN_BLOCK = 16            # the band's query block is max(w, MIN_BLOCK) tokens (at most L)
@@ -67,11 +67,14 @@ def _flip(a):
     return None if a is None else jnp.flip(a, axis=2)
 
 
-def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span):
+def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span, runs=None):
     """Σ_{j ≤ i − w − 1} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as causal_lib.causal_sums gives them.
     The key *inputs* move w + 1 positions later (the first w + 1 rows no key), so the causal pass makes
-    the features span by span from them, as the plain causal pass does."""
+    the features span by span from them, as the plain causal pass does. `runs`: packed documents, each
+    query's keys those of its own (the keys' runs move with them)."""
     s = window + 1
+    if runs is not None:
+        return documents.before_sums(query_map, key_map, ctx, x, y, v1, valid, runs, chunk_size, path, span, gap=s)
     l = seq_length(y)
     valid = jnp.ones((1, l), bool) if valid is None else jnp.asarray(valid, bool)
     valid = jnp.pad(valid, ((0, 0), (s, 0)))[:, :l]
@@ -79,7 +82,7 @@ def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_siz
     return causal_lib.causal_sums(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size, path, span)
 
 
-def _band(x, y, v1, has_key, left, right):
+def _band(x, y, v1, has_key, left, right, runs=None):
     """Exact Σ_{i − left ≤ j ≤ i + right, key j valid} exp(x_iᵀy_j)[v_j, 1]: (out [B, H, L, Dv+1],
     log-scale [B, H, L], −inf where the band holds no valid key). x, y [B, H, L, D], has_key [B, H, L].
     out is on the scale's stopped value; the scale returned keeps its gradient (the row's band maximum,
@@ -87,7 +90,8 @@ def _band(x, y, v1, has_key, left, right):
 
     Blocks of c ≥ max(left, right) queries, so block n meets at most key blocks n − 1, n and n + 1: one
     [c, c] matmul per neighbour with its own fixed mask (a separate product per neighbour rather than one
-    against the neighbours' keys concatenated: no copy of the keys, 20 % less time at w = 64)."""
+    against the neighbours' keys concatenated: no copy of the keys, 20 % less time at w = 64). `runs`
+    [B, L]: packed documents, pairs of two documents masked out."""
     b, h, l, d = x.shape
     # a band wider than the sequence is the whole sequence: clamped, so the cost follows L, not w (a model
     # configured with a large window still runs short sequences and 1-token prefills cheaply)
@@ -98,6 +102,7 @@ def _band(x, y, v1, has_key, left, right):
     blocked = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, end), (0, 0))).reshape(b, h, n, c, a.shape[-1])
     xb, yb, vb = blocked(x), blocked(y), blocked(v1)
     kb = blocked(has_key[..., None].astype(F32))[..., 0] > 0                 # [B, H, N, c]; pad rows False
+    rb = None if runs is None else jnp.pad(runs, ((0, 0), (0, end)), mode="edge").reshape(b, 1, n, c)
 
     def moved(a, t):        # block n − t at position n (zeros, i.e. no key, beyond the sequence)
         if t == 0:
@@ -113,6 +118,8 @@ def _band(x, y, v1, has_key, left, right):
         rel = i[None, :] - t * c - i[:, None]                                # [c, c]: j − i
         inside = (rel >= -left) & (rel <= right)
         keep = inside & moved(kb, t)[:, :, :, None, :]
+        if rb is not None:
+            keep = keep & (rb[..., :, None] == moved(rb, t)[..., None, :])
         scores = jnp.einsum("bhnid,bhnjd->bhnij", xb, moved(yb, t))
         logits.append(jnp.where(keep, scores, NEG_INF))
         values.append(moved(vb, t))
@@ -120,16 +127,6 @@ def _band(x, y, v1, has_key, left, right):
     mf = finite_or(sg(m))[..., None]
     out = sum(jnp.einsum("bhnij,bhnjd->bhnid", jnp.exp(z - mf), vz) for z, vz in zip(logits, values))
     return out.reshape(b, h, n * c, -1)[:, :, :l], m.reshape(b, h, n * c)[:, :, :l]
-
-
-def combine(parts):
-    """(Σ of (out, log-scale) parts on the largest scale of each row, that scale); parts with scale −inf
-    hold nothing."""
-    top = jnp.max(jnp.stack([s for _, s in parts]), axis=0)
-    total = 0.0
-    for out, s in parts:
-        total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - finite_or(top)), 0.0)[..., None]
-    return total, top
 
 
 def _combined_ratio(parts, positive, drop, floor):
@@ -149,7 +146,7 @@ def _band_part(band, log_mix):
 
 @linear.jit_when_eager("query_map", "key_map", "positive", "window", "causal", "chunk_size", "path", "span")
 def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, chunk_size=causal_lib.CAUSAL_CHUNK,
-           path="auto", span=None, floor=None, band=None, log_mix=None):
+           path="auto", span=None, floor=None, band=None, log_mix=None, runs=None):
     """[B, H, Lq, Dv]. x/y the scaled queries and keys [B, H, L, D] (x_iᵀy_j = q_iᵀk_j/√D), from which
     query_map(ctx, x) / key_map(ctx, y) make the log-features row by row (as in
     favor.attention.causal.causal_maps; every key a valid mask admits has finite log-features),
@@ -157,7 +154,9 @@ def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, ch
     bidirectional: Lq = Lk (the band is a relation between positions of one sequence). `floor`: the
     bound a sign-indefinite kind's denominator is raised to (floor_lib.floored_ratio; the band's exact terms
     are part of the denominator it bounds). `band`: (x, y) the band reads where the maps' inputs are not
-    the scaled queries and keys (default x, y). `log_mix`: log γ_h [H] for the learned mix (None: shared)."""
+    the scaled queries and keys (default x, y). `log_mix`: log γ_h [H] for the learned mix (None: shared).
+    `runs` [B, Lk]: packed documents (favor.attention.documents): the band and the estimate each stay
+    inside a query's document."""
     l_q, l_k = x.shape[2], y.shape[2]
     if causal and l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
@@ -174,11 +173,14 @@ def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, ch
     b, h = y.shape[:2]
     has_key = jnp.broadcast_to((jnp.ones((1, l_k), bool) if valid is None else jnp.asarray(valid, bool))[:, None],
                                (b, h, l_k))
-    parts = [_band_part(_band(bx, by, v1, has_key, window, 0 if causal else window), log_mix)]
+    parts = [_band_part(_band(bx, by, v1, has_key, window, 0 if causal else window, runs), log_mix)]
     if window >= l_k - 1:      # every key of every query is on the band: exact softmax, no feature pass
         return _combined_ratio(parts, positive, l_k - l_q, floor)
-    parts.append(_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span))
-    if not causal:
+    parts.append(_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span, runs))
+    if not causal and runs is not None:
+        parts.append(documents.after_sums(query_map, key_map, ctx, x, y, v1, valid, runs, chunk_size, path, span,
+                                          gap=window + 1))
+    elif not causal:
         flipped = None if valid is None else jnp.flip(jnp.asarray(valid, bool), axis=1)
         out, s = _off_band_before(query_map, key_map, ctx, _flip(x), _flip(y), _flip(v1), flipped, window,
                                   chunk_size, path, span)

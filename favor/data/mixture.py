@@ -14,7 +14,9 @@ source alone: a run's validation metric stays the one its main data defines, and
 measured on that source's own eval split (favor.repro.linearize's recall does).
 
 Both sources must give batches of the same keys and shapes (a causal_text block and an mqar block of the
-same length do): a mismatch is an error naming both.
+same length do): a mismatch is an error naming both. One exception: where the main source packs
+documents (`segment_ids` and `positions`) and the mixed-in one has neither, each of its rows is one
+document (ids 0, positions 0 … L − 1), which is what a source without those keys means.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from favor.data.source import IndexedSource
 
+DOCUMENT_KEYS = ("segment_ids", "positions")
 MIX_STREAM = 0x5EC0        # the mixed-in source's order is drawn from (seed, this), apart from the main one's
 
 
@@ -43,8 +46,18 @@ class Mixture(IndexedSource):
                                  f"mixture needs two fixed-width sources")
         # every host checks the same first rows, so all of them agree on a mismatch (a per-batch check
         # would fire only on the hosts whose slice holds rows of both)
-        _check_alike([(name, s.read("train", np.zeros(1, int), np.zeros(1, int), [np.random.default_rng(0)]))
-                      for s, name in ((main, names[0]), (extra, names[1]))])
+        first = lambda s: s.read("train", np.zeros(1, int), np.zeros(1, int), [np.random.default_rng(0)])
+        self.documents = all(k in first(main) for k in DOCUMENT_KEYS)
+        _check_alike([(names[0], first(main)), (names[1], self._extra_rows(first(extra)))])
+
+    def _extra_rows(self, batch):
+        """The mixed-in rows, each one document where the main source packs documents and this one has no
+        document keys."""
+        if not self.documents or any(k in batch for k in DOCUMENT_KEYS):
+            return batch
+        b, length = batch["input_ids"].shape
+        return {**batch, "segment_ids": np.zeros((b, length), np.int32),
+                "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy()}
 
     @property
     def tokenizer(self):
@@ -85,8 +98,8 @@ class Mixture(IndexedSource):
             for source, which, name in ((self.main, ~mixed, self.names[0]), (self.extra, mixed, self.names[1])):
                 take = np.flatnonzero(which[mine])
                 if len(take):
-                    parts.append((take, name, source.read("train", rows[which], rows[mine][take],
-                                                         [rngs[i] for i in take])))
+                    batch = source.read("train", rows[which], rows[mine][take], [rngs[i] for i in take])
+                    parts.append((take, name, batch if source is self.main else self._extra_rows(batch)))
             yield _assemble(parts, len(mine))
             step += 1
 

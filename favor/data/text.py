@@ -24,9 +24,19 @@ Pipeline
   masked afresh at every step from the per-example rng (dynamic masking, as RoBERTa); eval rows with a
   fixed rng per row, so every evaluation scores the same targets.
 
+- Document boundaries (`packing`): "stream" lets every token attend to the documents before it in its
+  row (RoBERTa's FULL-SENTENCES, GPT-2's packing); "documents" adds segment_ids and positions [B, L]
+  int32 so the model keeps each token within its own document: tokens of one document share a segment
+  id (0, 1, ... along the row), positions restart at 0 at each document's first token in the row (a
+  document cut by the row's start starts at 0 too), and padding has the id after the last real one
+  (no real token's) and position 0. They are computed from the row when it is read, so the cached
+  token arrays serve both. Where a document starts is each class's (its docstring). MaskedText
+  defaults to "stream" (RoBERTa's MLM default), CausalText to "documents".
+
 MaskedText's batch: input_ids, token_type_ids (zeros), attention_mask [B, L]; mlm_positions, mlm_ids
-[B, P] int32 and mlm_weights [B, P] float32 (1 for a real target). CausalText packs rows of max_length
-tokens without [CLS] and predicts each next token (its docstring).
+[B, P] int32 and mlm_weights [B, P] float32 (1 for a real target); with "documents", segment_ids and
+positions. CausalText packs rows of max_length tokens without [CLS] and predicts each next token (its
+docstring).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from favor.data.atomic import unique_tag
 from favor.data.source import IndexedSource, open_tfds, records, text
 
 EVAL_MASK_SEED = 0x5EED
+PACKING = ("documents", "stream")
 
 
 def _read_texts(src, field, rows):
@@ -98,19 +109,42 @@ def mask_row(ids: np.ndarray, candidates: np.ndarray, rng, rate, max_predictions
             np.pad(np.ones(k, np.float32), (0, pad)))
 
 
+def document_layout(starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids, positions), each [length] int32, of a row whose first n = len(starts) positions are
+    real tokens and the rest padding; starts [n] bool marks the tokens that begin a new document (a mark
+    on the row's first token is ignored: whatever it holds, it begins the row's first segment, id 0)."""
+    n = len(starts)
+    begins = np.asarray(starts, bool).copy()
+    if n:
+        begins[0] = True
+    index = np.arange(n)
+    segment_ids = np.empty(length, np.int32)
+    positions = np.zeros(length, np.int32)
+    segment_ids[:n] = np.cumsum(begins) - 1
+    positions[:n] = index - np.maximum.accumulate(np.where(begins, index, 0))
+    # padding: an id no real token has, so no model ever lets a token and padding share a segment
+    segment_ids[n:] = segment_ids[n - 1] + 1 if n else 0
+    return segment_ids, positions
+
+
 class PackedText(IndexedSource):
     """A text builder's splits tokenized into packed token streams (what both text objectives read):
     the tokenizer, `tokens[split]`, and rows of `width` tokens."""
 
     OPTIONS = {"dataset": "wikipedia/20230601.en", "text_field": "text", "train_split": "train[:99%]",
                "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "", "vocab_size": 32000,
-               "tokenizer_sample": 200_000, "max_length": 512, "max_documents": 0, "max_eval_rows": 2048}
+               "tokenizer_sample": 200_000, "max_length": 512, "max_documents": 0, "max_eval_rows": 2048,
+               "packing": "stream"}
 
     def __init__(self, dataset="wikipedia/20230601.en", text_field="text", train_split="train[:99%]",
                  eval_split="train[99%:]", data_dir=None, tokenizer="", vocab_size=32000,
-                 tokenizer_sample=200_000, max_length=512, max_documents=0, max_eval_rows=2048):
+                 tokenizer_sample=200_000, max_length=512, max_documents=0, max_eval_rows=2048,
+                 packing="stream"):
         if int(max_length) < 8:
             raise ValueError(f"text: max_length must be at least 8; got {max_length!r}")
+        if packing not in PACKING:
+            raise ValueError(f"text: packing must be one of {', '.join(map(repr, PACKING))}; got {packing!r}")
+        self.packing = packing
         if dataset == "local":
             data_dir = local.prepare("docstrings", data_dir)
             dataset = local.builder_name("docstrings")
@@ -156,7 +190,12 @@ class PackedText(IndexedSource):
 
 
 class MaskedText(PackedText):
-    OPTIONS = {**PackedText.OPTIONS, "mask_rate": 0.15}
+    """BERT's masked-LM rows: [CLS] + a chunk of the stream + [SEP]. With packing "documents", a [SEP]
+    inside the chunk ends its document and the next token starts another: a token's segment is the number
+    of the chunk's [SEP]s before it. The [CLS] belongs to the row's first document and the final [SEP] to
+    its last (after a chunk that ends in [SEP], a segment of its own)."""
+
+    OPTIONS = {**PackedText.OPTIONS, "mask_rate": 0.15, "packing": "stream"}
 
     def __init__(self, mask_rate=0.15, **options):
         if not 0.0 < float(mask_rate) < 1.0:
@@ -171,6 +210,13 @@ class MaskedText(PackedText):
         special = {tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id}
         self.random_ids = np.asarray([i for i in range(self.vocab_size) if i not in special], np.int32)
 
+    def layout(self, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment_ids, positions) [max_length] of the row [CLS] + chunk + [SEP]: row position t > 1
+        begins a document when the chunk token before it (row position t − 1) is a [SEP]."""
+        starts = np.zeros(len(chunk) + 2, bool)
+        starts[2:] = chunk == self.tokenizer.sep_id
+        return document_layout(starts, self.max_length)
+
     def read(self, split, global_rows, local_rows, rngs):
         tok, length, p = self.tokenizer, self.max_length, self.max_predictions
         stream = self.tokens[split]
@@ -180,12 +226,17 @@ class MaskedText(PackedText):
                "attention_mask": np.zeros((b, length), np.int32),
                "mlm_positions": np.zeros((b, p), np.int32), "mlm_ids": np.zeros((b, p), np.int32),
                "mlm_weights": np.zeros((b, p), np.float32)}
+        documents = self.packing == "documents"
+        if documents:
+            out["segment_ids"], out["positions"] = np.zeros((b, length), np.int32), np.zeros((b, length), np.int32)
         for i, row in enumerate(local_rows):
             chunk = np.asarray(stream[int(row) * self.width:(int(row) + 1) * self.width], np.int32)
             n = len(chunk)
             ids = out["input_ids"][i]
             ids[0], ids[1:n + 1], ids[n + 1] = tok.cls_id, chunk, tok.sep_id
             out["attention_mask"][i, :n + 2] = 1
+            if documents:
+                out["segment_ids"][i], out["positions"][i] = self.layout(chunk)
             rng = rngs[i] if rngs is not None else np.random.default_rng([EVAL_MASK_SEED, int(row)])
             candidates = np.flatnonzero(chunk != tok.sep_id) + 1
             pos, tgt, w = mask_row(ids, candidates, rng, self.rate, p, tok.mask_id, self.random_ids)
@@ -199,7 +250,19 @@ class CausalText(PackedText):
     first L of them and its targets the last L (each position predicts the token after it), so every
     stream token but the first is a target exactly once. The last row is padded (weights 0).
 
-    Batch: input_ids, attention_mask, targets [B, L] int32 and weights [B, L] float32 (1: a real target)."""
+    With packing "documents" (the default), the end-of-text token ([SEP]) that ends a document begins the
+    next as its first token (GPT-2's <|endoftext|> as BOS): a token's segment is the number of [SEP]s at
+    or before it in the row (less one when the row opens with a [SEP], so ids start at 0). So a document's
+    last token predicts its end-of-text token from its own document, and that token, as input, predicts
+    the next document's first token from itself alone.
+
+    Batch: input_ids, attention_mask, targets [B, L] int32 and weights [B, L] float32 (1: a real target);
+    with "documents", segment_ids and positions [B, L] int32."""
+
+    OPTIONS = {**PackedText.OPTIONS, "packing": "documents"}
+
+    def __init__(self, packing="documents", **options):
+        super().__init__(packing=packing, **options)
 
     @property
     def width(self) -> int:
@@ -216,11 +279,16 @@ class CausalText(PackedText):
         out = {"input_ids": np.full((b, length), tok.pad_id, np.int32),
                "attention_mask": np.zeros((b, length), np.int32),
                "targets": np.full((b, length), tok.pad_id, np.int32), "weights": np.zeros((b, length), np.float32)}
+        documents = self.packing == "documents"
+        if documents:
+            out["segment_ids"], out["positions"] = np.zeros((b, length), np.int32), np.zeros((b, length), np.int32)
         for i, row in enumerate(local_rows):
             chunk = np.asarray(stream[int(row) * length:(int(row) + 1) * length + 1], np.int32)
             n = len(chunk) - 1
             out["input_ids"][i, :n], out["targets"][i, :n] = chunk[:-1], chunk[1:]
             out["attention_mask"][i, :n], out["weights"][i, :n] = 1, 1.0
+            if documents:
+                out["segment_ids"][i], out["positions"][i] = document_layout(chunk[:-1] == tok.sep_id, length)
         return out
 
 

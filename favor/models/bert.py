@@ -45,8 +45,9 @@ class BertLayer(nnx.Module):
                                       param_dtype=c["param_dtype"])
         self.dropout = nnx.Dropout(c["dropout"], rngs=rngs)
 
-    def __call__(self, x, mask, deterministic):
-        a = self.dropout(self.attention(x, mask, deterministic=deterministic), deterministic=deterministic)
+    def __call__(self, x, mask, deterministic, segment_ids=None):
+        a = self.dropout(self.attention(x, mask, deterministic=deterministic, segment_ids=segment_ids),
+                         deterministic=deterministic)
         h = self.attention_norm(x + a).astype(x.dtype)
         return self.output_norm(h + self.mlp(h, deterministic=deterministic)).astype(x.dtype)
 
@@ -81,7 +82,9 @@ class Bert(nnx.Module):
             self.classifier = dense(h, n, ("embed", "classes"), **kw)
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, deterministic: bool = True,
-                 mlm_positions=None):
+                 mlm_positions=None, segment_ids=None, positions=None):
+        """Packed documents: segment_ids [B, L] (a token attends only to its own document) and positions
+        [B, L] (each document's from 0; default 0 … L − 1), as favor.data.text's documents packing gives."""
         c = self.config
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
@@ -92,12 +95,17 @@ class Bert(nnx.Module):
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         mask = None if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(jnp.arange(l))[None]
+        if positions is None:
+            positions = jnp.arange(l)[None]
+        elif tuple(jnp.shape(positions)) != (b, l):
+            raise ValueError(f"bert: positions gives each token's position in its document, [B, L] = {(b, l)}; "
+                             f"got shape {tuple(jnp.shape(positions))}")
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(jnp.asarray(positions, jnp.int32))
              + self.token_type_embeddings(token_type_ids))
         x = self.embedding_norm(x).astype(x.dtype)
         x = self.embedding_dropout(x, deterministic=deterministic)
         for layer in self.layers:
-            x = layer(x, mask, deterministic)
+            x = layer(x, mask, deterministic, segment_ids)
         out = {"hidden_states": x}
         if self.pooler is not None:
             if c["pool"] == "mean":

@@ -49,6 +49,17 @@ class SwiGlu(nnx.Module):
         return self.dropout(self.down(jax.nn.silu(self.gate(x)) * self.up(x)), deterministic=deterministic)
 
 
+def _positions(positions, input_ids):
+    """[B, L] int32 positions (None: 0 … L − 1 for every row), a wrong shape a ValueError naming it."""
+    b, l = input_ids.shape
+    if positions is None:
+        return jnp.arange(l)[None]
+    if tuple(jnp.shape(positions)) != (b, l):
+        raise ValueError(f"positions gives each token's position in its document, [B, L] = {(b, l)}; "
+                         f"got shape {tuple(jnp.shape(positions))}")
+    return jnp.asarray(positions, jnp.int32)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
 
@@ -70,8 +81,9 @@ class DecoderLayer(nnx.Module):
     def _mlp(self, h, deterministic):
         return h + self.mlp(self.mlp_norm(h).astype(h.dtype), deterministic=deterministic)
 
-    def __call__(self, x, mask, deterministic):
-        a = self.attention(self.attention_norm(x).astype(x.dtype), mask, deterministic=deterministic)
+    def __call__(self, x, mask, deterministic, positions=None, segment_ids=None):
+        a = self.attention(self.attention_norm(x).astype(x.dtype), mask, deterministic=deterministic,
+                           positions=positions, segment_ids=segment_ids)
         return self._mlp(x + self.dropout(a, deterministic=deterministic), deterministic)
 
     def prefill(self, x, max_length):
@@ -121,15 +133,19 @@ class Decoder(nnx.Module):
                              f"{self.config['max_positions']}")
         return input_ids
 
-    def __call__(self, input_ids, attention_mask=None, deterministic: bool = True):
+    def __call__(self, input_ids, attention_mask=None, deterministic: bool = True, segment_ids=None,
+                 positions=None):
         """attention_mask [B, L] (True = token): padding (at the end of a row) is neither attended to nor
-        counted in any statistic."""
+        counted in any statistic. Packed documents: segment_ids [B, L] (a token attends only to its own
+        document) and positions [B, L] (each document's from 0; default 0 … L − 1), as
+        favor.data.text's documents packing gives them."""
         input_ids = self._check(input_ids)
         mask = None if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
-        x = self.embedding_dropout(self._embed(input_ids, jnp.arange(input_ids.shape[1])[None]),
+        given = None if positions is None else _positions(positions, input_ids)
+        x = self.embedding_dropout(self._embed(input_ids, _positions(positions, input_ids)),
                                    deterministic=deterministic)
-        for layer in self.layers:
-            x = layer(x, mask, deterministic)
+        for layer in self.layers:     # rotary layers read the positions (None: their own 0 … L − 1)
+            x = layer(x, mask, deterministic, positions=given, segment_ids=segment_ids)
         x, logits = self._logits(x)
         return {"hidden_states": x, "logits": logits}
 

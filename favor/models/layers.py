@@ -205,8 +205,10 @@ class SelfAttention(nnx.Module):
             q, k = (rotary(t, pos, self.rotary_base, self.rope_scaling) for t in (q, k))
         return q, k, v
 
-    def __call__(self, x, mask=None, *, deterministic: bool = True, positions=None):
-        """x [B, L, hidden], mask [B, L] (True = token) -> [B, L, hidden]."""
+    def __call__(self, x, mask=None, *, deterministic: bool = True, positions=None, segment_ids=None):
+        """x [B, L, hidden], mask [B, L] (True = token) -> [B, L, hidden]. `positions` [B, L] the rotary
+        positions (default 0 … L − 1), `segment_ids` [B, L] packed documents: a token attends only to
+        its own document's tokens (favor.attention.documents)."""
         b, l, _ = x.shape
         q, k, v = self.project(x, positions)
         key_mask = None if mask is None else jnp.asarray(mask, bool)
@@ -220,11 +222,12 @@ class SelfAttention(nnx.Module):
             stats = self.fit_stats.get_value()       # this call uses what earlier batches gave
             if not deterministic:
                 self.fit_stats.set_value(self.kind.update_statistics(stats, q, k, key_mask, query_mask))
+        documents = {} if segment_ids is None else {"segment_ids": segment_ids}
         out = self.kind(q, k, v, mask=key_mask, causal=self.causal, draw=draw, query_mask=query_mask,
-                        stats=stats, **self._mix())
+                        stats=stats, **self._mix(), **documents)
         result = self.out(out.reshape(b, l, self.heads * self.head_dim).astype(x.dtype))
         if self.record:
-            self.sow(nnx.Intermediate, "transfer", (x, mask, positions, result))
+            self.sow(nnx.Intermediate, "transfer", (x, mask, positions, segment_ids, result))
         return result
 
     # -- incremental decoding (causal layers) ----------------------------------------------------------

@@ -1,11 +1,22 @@
 """Language-model losses: masked-token prediction (BERT: cross-entropy at the masked positions only) and
-next-token prediction (a causal decoder: cross-entropy at every position with a target)."""
+next-token prediction (a causal decoder: cross-entropy at every position with a target).
+
+Batches packed by document (favor.data.text, data.packing="documents") carry segment_ids and positions,
+which both pass to the model as keyword arguments; a batch without them calls the model exactly as
+before, so models and sources that know nothing of documents are unchanged."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+DOCUMENT_KEYS = ("segment_ids", "positions")
+
+
+def document_inputs(batch) -> dict:
+    """The batch's document keys (segment_ids, positions) it has, as the model's keyword arguments."""
+    return {k: batch[k] for k in DOCUMENT_KEYS if k in batch}
 
 
 class MaskedLM:
@@ -16,7 +27,7 @@ class MaskedLM:
 
     def _losses(self, model, batch, deterministic):
         out = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-                    deterministic=deterministic, mlm_positions=batch["mlm_positions"])
+                    deterministic=deterministic, mlm_positions=batch["mlm_positions"], **document_inputs(batch))
         logits = out["logits"].astype(jnp.float32)
         xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["mlm_ids"])
         correct = (jnp.argmax(logits, -1) == batch["mlm_ids"]).astype(jnp.float32)
@@ -45,7 +56,7 @@ class CausalLM(MaskedLM):
     token (`targets`), weighted by `weights`; metrics token accuracy and, in eval, perplexity."""
 
     def _losses(self, model, batch, deterministic):
-        out = model(batch["input_ids"], batch["attention_mask"], deterministic=deterministic)
+        out = model(batch["input_ids"], batch["attention_mask"], deterministic=deterministic, **document_inputs(batch))
         logits = out["logits"].astype(jnp.float32)
         xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)

@@ -72,8 +72,8 @@ def layer_errors(params, rest, entries, batch, *, graphdef, teacher, task):
         node = captured
         for p in path:
             node = node[p]
-        x, mask, positions, target = jax.lax.stop_gradient(node["transfer"].get_value()[0])
-        out = _get(student, path)(x, mask, deterministic=True, positions=positions)
+        x, mask, positions, segment_ids, target = jax.lax.stop_gradient(node["transfer"].get_value()[0])
+        out = _get(student, path)(x, mask, deterministic=True, positions=positions, segment_ids=segment_ids)
         sq = jnp.square(out.astype(jnp.float32) - target.astype(jnp.float32)).mean(-1)     # [B, L]
         w = jnp.ones(sq.shape, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
         if "valid" in batch:
