@@ -91,7 +91,8 @@ def run_config(*, total_steps: int, batch_size: int, eval_batch_size: int, every
     c.total_steps, c.batch_size, c.eval_batch_size = int(total_steps), int(batch_size), int(eval_batch_size)
     c.checkpoint_every, c.eval_every, c.log_every = int(every), int(every), int(log_every)
     c.keep_checkpoints = int(keep_checkpoints)
-    c.mesh = {"data": -1, "fsdp": 1, "tensor": 1}
+    # "sequence": devices the activations' length axis is split over (favor.attention.sequence)
+    c.mesh = {"data": -1, "fsdp": 1, "sequence": 1, "tensor": 1}
     c.sharding_rules = dict(DEFAULT_RULES)
     c.prefetch = 2                     # host batches read ahead on a thread (0: read in the loop)
     # a run that starts from another model's parameters (model.init_from) may first train the model

@@ -350,6 +350,11 @@ def run(config, workdir) -> Summary:
     # Nothing is written to the workdir until every check below has passed (the data, the model, the
     # checkpoint's fit, the source of init_from): a start that fails leaves it as it was.
     mesh = sharding.make_mesh(config.mesh)
+    with sharding.sequence_context(mesh):
+        return _run(config, workdir, mesh, t_start)
+
+
+def _run(config, workdir, mesh, t_start):
     config = with_tokenizer(config, workdir)
     source, task = make_data(config)
     model = make_model(config, source)
@@ -410,7 +415,9 @@ def rebuild(config, workdir: Path):
     config = with_tokenizer(config, Path(workdir))
     source, task = make_data(config)
     model = make_model(config, source)
-    layout = make_layout(model, sharding.make_mesh(config.mesh), config.sharding_rules, source)
-    state = warm_start(config, model, layout, initial_state(config, model, layout))
-    state = calibrate_statistics(config, model, task, source, layout, state)
+    mesh = sharding.make_mesh(config.mesh)
+    layout = make_layout(model, mesh, config.sharding_rules, source)
+    with sharding.sequence_context(mesh):
+        state = warm_start(config, model, layout, initial_state(config, model, layout))
+        state = calibrate_statistics(config, model, task, source, layout, state)
     return config, source, task, model, layout, state

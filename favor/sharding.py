@@ -1,7 +1,8 @@
 """Device mesh, logical-axis rules and global batches.
 
-The mesh has three named axes: "data" (batch), "fsdp" (batch and parameter shards) and "tensor"
-(heads / mlp / vocab shards). `config.mesh` gives their sizes; one may be -1 to take the devices
+The mesh has four named axes: "data" (batch), "fsdp" (batch and parameter shards), "sequence" (the
+activations' length axis, context parallelism: favor.attention.sequence) and "tensor" (heads / mlp /
+vocab shards). `config.mesh` gives their sizes; one may be -1 to take the devices
 the others leave. Model parameters carry logical axis names (favor.models.layers.AXES), and
 `config.sharding_rules` maps each to a mesh axis (or None); a dim that the mapped axis does not
 divide is replicated rather than refused (e.g. 10 classes over 8 devices), so every preset runs on
@@ -21,7 +22,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from favor import configbase
 from favor.configcheck import ConfigError, get, is_int
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+# the models whose every layer works token by token or through favor.attention.sequence: what a
+# sequence axis may split (the Conformer's convolution and ViT's class token would need their own)
+SEQUENCE_MODELS = ("decoder", "bert")
 BATCH_AXES = ("data", "fsdp")
 DEFAULT_RULES = configbase.DEFAULT_RULES
 
@@ -44,6 +48,13 @@ def mesh_shape(spec: Mapping[str, int], num_devices: int) -> dict[str, int]:
         raise ValueError(f"mesh {dict(spec)} has {math.prod(sizes.values())} devices but {num_devices} are "
                          f"available; the product of the mesh sizes must equal the device count (or use -1)")
     return sizes
+
+
+def sequence_context(mesh):
+    """The context in which a run's programs are built and traced: the attention layers see the mesh's
+    sequence axis (favor.attention.sequence.over)."""
+    from favor.attention import sequence
+    return sequence.over(mesh)
 
 
 def make_mesh(spec: Mapping[str, int], devices=None) -> jax.sharding.Mesh:
@@ -151,6 +162,16 @@ def check(config, accumulate: int = 1) -> None:
     for name, axis in dict(config.get("sharding_rules", {})).items():
         if axis is not None and axis not in MESH_AXES:
             raise ConfigError(f"sharding_rules.{name}", axis, f"must be a mesh axis ({', '.join(MESH_AXES)}) or None")
+    if sizes["sequence"] > 1:
+        n = sizes["sequence"]
+        model = config.model.get("name")
+        if model not in SEQUENCE_MODELS:
+            raise ConfigError("mesh.sequence", n, f"the {model} model cannot split its sequence over devices; "
+                                                  f"{' and '.join(SEQUENCE_MODELS)} can (or mesh.sequence=1)")
+        length = config.data.get("max_length") if "data" in config else None
+        if is_int(length) and length % n:
+            raise ConfigError("mesh.sequence", n, f"must divide data.max_length = {length} (each device holds "
+                                                  f"max_length / {n} tokens of every row)")
     dp, procs = sizes["data"] * sizes["fsdp"], jax.process_count()
     for key in ("batch_size", "eval_batch_size"):
         v = get(config, key)

@@ -17,6 +17,14 @@ def _np(a):
     return np.asarray(a, np.float64)
 
 
+def _inputs(a):
+    """q, k or v in float64 as favor reads them: cast to float32 first (favor's own first step; bf16 is exact
+    in it); an array that is float64 already (numpy) is taken as it is, so that finite differences of the
+    reference can move it by less than a float32 unit."""
+    a = np.asarray(a)
+    return a if a.dtype == np.float64 else _np(np.asarray(a, np.float32))
+
+
 def _sym_terms(la, sa, lb, sb):
     """Pairwise products of per-feature terms: (log|t| [..., Lx, Ly, T], sign or None)."""
     lt = la[..., :, None, :] + lb[..., None, :, :]
@@ -123,18 +131,19 @@ def pair_terms(attn, q, k, ctx):
     magnitude a feature-space computation must sum]) [B, H, Lq, Lk, T], with x = q·D^(−1/4),
     y = k·D^(−1/4) in float64."""
     d = q.shape[-1]
-    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
-    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    x = np.swapaxes(_inputs(q), 1, 2) * d ** -0.25
+    y = np.swapaxes(_inputs(k), 1, 2) * d ** -0.25
     name = attn.name
+    if name == "softmax":           # exact softmax: the one term exp(x_iᵀy_j)
+        return np.einsum("bhid,bhjd->bhij", x, y)[..., None], None
     if name in ("relu", "elu"):
         phi = (lambda u: np.maximum(u, 0.0)) if name == "relu" else (lambda u: np.where(u > 0, u + 1.0, np.exp(u)))
-        xq = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2)
-        yk = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2)
+        xq = np.swapaxes(_inputs(q), 1, 2)
+        yk = np.swapaxes(_inputs(k), 1, 2)
         with np.errstate(divide="ignore"):
             return _sym_terms(np.log(phi(xq)), None, np.log(phi(yk)), None)
     if name in ("hedgehog", "t2r"):
-        return _learned_terms(attn, np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2),
-                              np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2), ctx)
+        return _learned_terms(attn, np.swapaxes(_inputs(q), 1, 2), np.swapaxes(_inputs(k), 1, 2), ctx)
     mech, draw, params = attn.mech, ctx.draw, ctx.params
     if mech.name == "trig":
         return _trig_terms(x, y, _np(draw.omega))
@@ -146,6 +155,21 @@ def pair_terms(attn, q, k, ctx):
     return _sym_terms(lx, None, ly, None)
 
 
+def documents(segment_ids):
+    """segment_ids [B, L] -> each token's document [B, L]: its run's index, a run being consecutive equal ids
+    (an id seen again after another run starts a new document)."""
+    ids = np.asarray(segment_ids)
+    starts = np.concatenate([np.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], 1)
+    return np.cumsum(starts, 1)
+
+
+def same_document(segment_ids, lq):
+    """[B, 1, Lq, Lk]: whether query i and key j are in one document, segment_ids [B, Lk] the keys' and the
+    queries aligned to the last Lq keys (as a causal call aligns them)."""
+    doc = documents(segment_ids)
+    return (doc[:, -lq:, None] == doc[:, None, :])[:, None]
+
+
 def _band(lq, lk, window, causal):
     rel = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + lk - lq)          # j − i in positions
     return (rel >= -window) & (rel <= (0 if causal else window))
@@ -153,8 +177,8 @@ def _band(lq, lk, window, causal):
 
 def _scores(q, k):
     d = q.shape[-1]
-    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
-    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    x = np.swapaxes(_inputs(q), 1, 2) * d ** -0.25
+    y = np.swapaxes(_inputs(k), 1, 2) * d ** -0.25
     return np.einsum("bhid,bhjd->bhij", x, y)
 
 
@@ -175,8 +199,8 @@ def with_window(terms, q, k, window, causal, shift=0.0):
     lt, st = terms[:2]
     lm = terms[2] if len(terms) > 2 else lt
     d = q.shape[-1]
-    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
-    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    x = np.swapaxes(_inputs(q), 1, 2) * d ** -0.25
+    y = np.swapaxes(_inputs(k), 1, 2) * d ** -0.25
     lq, lk = x.shape[2], y.shape[2]
     rel = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + lk - lq)          # j − i in positions
     band = (rel >= -window) & (rel <= (0 if causal else window))
@@ -188,12 +212,14 @@ def with_window(terms, q, k, window, causal, shift=0.0):
     return lt2, st2, lm2
 
 
-def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0, log_mix=None):
+def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0, log_mix=None, segment_ids=None):
     """(out [B, Lq, H, Dv], bound [B, Lq, H]): the float64 attention output of the estimator, and the
     size of a float rounding error relative to it, Σ|terms|·(|v| + |out|)/|den| (the ratio's condition;
     for positive kinds ≈ 2·max|v|). Rows with no valid key output 0. `window` > 0: the local-window
     hybrid (exact weights on the band); `log_mix` log γ_h [H]: its learned mix (band weights
-    γ_h·exp(q_iᵀk_j/√D − m_i))."""
+    γ_h·exp(q_iᵀk_j/√D − m_i)). `segment_ids` [B, Lk]: packed documents (`documents`), the weight of every
+    pair in two documents exactly 0 (band, estimate, stabiliser and floor each inside the document). `attn`
+    may be softmax too: exact weights (with `window`, on the band alone)."""
     terms = pair_terms(attn, q, k, ctx)
     b, lq, h = q.shape[:3]
     lk = k.shape[1]
@@ -202,7 +228,11 @@ def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0, log_mix=Non
         keep &= np.asarray(mask, bool)[:, None, None, :]
     if causal:
         keep &= np.tril(np.ones((lq, lk), bool), k=lk - lq)[None, None]
-    if window:
+    if segment_ids is not None:
+        keep &= same_document(segment_ids, lq)
+    if window and attn.name == "softmax":       # sliding-window softmax: the band alone
+        keep &= _band(lq, lk, window, causal)[None, None]
+    elif window:
         shift = 0.0 if log_mix is None else mix_shift(q, k, window, causal, keep, log_mix)
         terms = with_window(terms, q, k, window, causal, shift)
     lt, st = terms[:2]
@@ -214,7 +244,7 @@ def attention(attn, q, k, v, ctx, mask=None, causal=False, window=0, log_mix=Non
     mag = np.exp(lt - shift)
     w = np.sum(mag if st is None else mag * st, -1)                    # [B, H, Lq, Lk]
     wabs = np.sum(np.exp(lm - shift), -1)
-    vv = np.swapaxes(_np(np.asarray(v, np.float32)), 1, 2)            # [B, H, Lk, Dv]
+    vv = np.swapaxes(_inputs(v), 1, 2)                                 # [B, H, Lk, Dv]
     num, den = w @ vv, np.sum(w, -1)
     low = np.zeros(den.shape, bool)
     if not getattr(attn, "positive", True):
@@ -239,8 +269,8 @@ def _jensen(q, k, vv, keep):
     """Over the keys `keep` [B, 1|H, Lq, Lk] lets query i see, in float64: (log(n_i·exp(x_iᵀȳ_i)), −inf
     where it sees none; the mean, minimum and maximum of their values [B, H, Lq, Dv])."""
     d = q.shape[-1]
-    x = np.swapaxes(_np(np.asarray(q, np.float32)), 1, 2) * d ** -0.25
-    y = np.swapaxes(_np(np.asarray(k, np.float32)), 1, 2) * d ** -0.25
+    x = np.swapaxes(_inputs(q), 1, 2) * d ** -0.25
+    y = np.swapaxes(_inputs(k), 1, 2) * d ** -0.25
     kf = keep.astype(np.float64)
     n = np.sum(kf, -1)                                                    # [B, 1|H, Lq]
     mean_y = (kf @ y) / np.maximum(n, 1)[..., None]

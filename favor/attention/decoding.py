@@ -29,11 +29,12 @@ def decode_init(batch, heads, features, dv, dim=None):
 FLOOR_STATE = ("ysum", "vsum", "count", "vmin", "vmax", "knorm")
 
 
-def decode_floor(state, x, y, v, valid=None, norms=None):
+def decode_floor(state, x, y, v, valid=None, norms=None, leaving=None):
     """(the floor's part of the state with key input y [B, H, D] and value v [B, H, Dv] counted, the
     `Floor` of query x [B, H, D]) for a state that keeps it (`decode_init(..., dim)`); ({}, None) else.
     norms: (log‖φ_q‖, log‖φ_k‖) [B, H] of this token's query and key (`log_norm_bounds`), for the floor's
-    mass."""
+    mass; `leaving` (a window's state): log‖φ_k‖ [B, H] of the key leaving the band (−inf: none), which
+    the mass counts instead of this token's key (the band's keys carry no estimate's rounding)."""
     if "ysum" not in state:
         return {}, None
     w = jnp.ones((y.shape[0], 1), F32) if valid is None else jnp.asarray(valid, F32)[:, None]
@@ -47,7 +48,8 @@ def decode_floor(state, x, y, v, valid=None, norms=None):
     mass = None
     if norms is not None:
         nq, nk = (sg(a.astype(F32)) for a in norms)
-        new["knorm"] = jnp.logaddexp(state["knorm"], jnp.where(w > 0, nk, NEG_INF))
+        added = jnp.where(w > 0, nk, NEG_INF) if leaving is None else sg(leaving.astype(F32))
+        new["knorm"] = jnp.logaddexp(state["knorm"], added)
         mass = jnp.where(new["count"] > 0, nq + new["knorm"], NEG_INF)
     return new, Floor(log=jnp.where(new["count"] > 0, log, NEG_INF), mean=new["vsum"] / n[..., None],
                       low=new["vmin"], high=new["vmax"], log_mass=mass)

@@ -63,9 +63,12 @@ def same_document(rq, rk):
     return rq[:, :, None] == rk[:, None, :]
 
 
+RUN_TOP = 2 ** 30         # runs of a reversed sequence count down from here: ≥ 0, whatever its length or shard
+
+
 def reversed_runs(r):
-    """Runs of the reversed sequence, still non-decreasing."""
-    return jnp.max(r, axis=1, keepdims=True) - jnp.flip(r, axis=1)
+    """Runs of the reversed sequence, still non-decreasing, the same numbers on every shard of a sequence."""
+    return RUN_TOP - jnp.flip(r, axis=1)
 
 
 def shifted_runs(r, s):
@@ -126,22 +129,26 @@ def _fast_span(lq, sq, lk, sk, v1, rq, rk, ref, has, carry, c):
     b, h, s, _ = lq.shape
     n = s // c
     a = sg(jnp.max(lk - ref, axis=-1))                                             # −inf: no mass
-    continues = _expand(rk == carry_run[:, None]) & seen[..., None]              # [B, H, S]
-    alpha = segmented(a, _expand(rk), jnp.maximum, NEG_INF)
-    alpha = sg(jnp.where(continues, jnp.maximum(alpha, 0.0), alpha))
-    live = _expand(rq == rk)                          # a query sees keys only where its document's keys are
-    beta = sg(finite_or(jnp.max(lq + ref, axis=-1)))
-    scale = jnp.where(live & jnp.isfinite(alpha), beta + alpha, NEG_INF)
+    carried = _expand(rq == carry_run[:, None]) & seen[..., None]                # [B, H, S]
+    alpha = segmented(a, _expand(rk), jnp.maximum, NEG_INF)                       # over each key's document
+    alpha = jnp.where(_expand(rk == carry_run[:, None]) & seen[..., None], jnp.maximum(alpha, 0.0), alpha)
+    # query i's document has keys at positions ≤ i in the span exactly where the key run there is its own
+    # (key runs lag query runs); elsewhere it sees the carried keys or none
+    own = _expand(rq == rk)
+    alpha = sg(jnp.where(own, alpha, jnp.where(carried, 0.0, NEG_INF)))
+    ref_q = jnp.where(own[..., None], ref, finite_or(tau)[:, :, None])
+    beta = sg(finite_or(jnp.max(lq + ref_q, axis=-1)))
+    scale = jnp.where(jnp.isfinite(alpha), beta + alpha, NEG_INF)
     alpha = finite_or(alpha)
     row = _row_scaled(lk, sk)
     af = finite_or(a)
     if row:
         fk, fq = sk.astype(F32), sq.astype(F32)
         v1 = v1 * _unit(lk - ref - af[..., None])
-        q_unit = _unit(lq + ref - beta[..., None])
+        q_unit = _unit(lq + ref_q - beta[..., None])
     else:
         fk = _with_sign(jnp.exp(lk - ref - af[..., None]), sk)
-        fq = _with_sign(jnp.exp(lq + ref - beta[..., None]), sq)
+        fq = _with_sign(jnp.exp(lq + ref_q - beta[..., None]), sq)
     w = jnp.where(jnp.isfinite(a), jnp.exp(jnp.minimum(a, FAST_EXCEEDANCE)), 0.0)
     chunked = lambda z: z.reshape(z.shape[0], z.shape[1], n, c, *z.shape[3:])
     fk_n, fq_n, v1w, alpha_n = map(chunked, (fk, fq, v1 * w[..., None], alpha))
@@ -235,10 +242,12 @@ def _exact_span(lq, sq, lk, sk, v1, rq, rk, carry, block):
     return out, scale, carry
 
 
-def causal_sums(query_map, key_map, ctx, x, y, v1, valid, rq, rk, chunk_size=CAUSAL_CHUNK, path="auto", span=None):
+def causal_sums(query_map, key_map, ctx, x, y, v1, valid, rq, rk, chunk_size=CAUSAL_CHUNK, path="auto", span=None,
+                init=None):
     """Σ_{j ≤ i, rk_j = rq_i} φ_q(i)ᵀφ_k(j)[v_j, 1] on query i's scale: (out [B, H, L, Dv+1], log-scale
     [B, H, L]) as favor.attention.causal.causal_sums gives them, x and y of one length L, rq and rk [B, L]
-    the queries' and the keys' runs (non-decreasing, rk ≤ rq)."""
+    the queries' and the keys' runs (non-decreasing, rk ≤ rq). `init`: a carry (seen, τ, T, run) of keys
+    before the sequence (`summary`, composed over earlier shards of a sharded sequence)."""
     if path not in PATHS:
         raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
     l = seq_length(y)
@@ -251,8 +260,8 @@ def causal_sums(query_map, key_map, ctx, x, y, v1, valid, rq, rk, chunk_size=CAU
     lk0, sk0 = jax.eval_shape(key_map, ctx, jax.tree.map(lambda a: a[0], ys))
     b, h, _, f = lk0.shape
     width = f if sk0 is None else sk0.shape[-1]
-    init = (jnp.zeros((b, h), bool), jnp.zeros((b, h, f), F32), jnp.zeros((b, h, width, v1.shape[-1]), F32),
-            jnp.full((b,), NO_RUN, jnp.int32))
+    if init is None:
+        init = empty_carry(b, h, f, width, v1.shape[-1])
 
     def step(carry, inputs):
         x_s, y_s, v1_s, valid_s, rq_s, rk_s = inputs
@@ -296,22 +305,51 @@ def _later(a, s, fill):
     return jnp.pad(a, ((0, 0), (0, 0), (s, 0)) + ((0, 0),) * (a.ndim - 3), constant_values=fill)[:, :, :l]
 
 
+def empty_carry(b, h, f, width, dv1):
+    """The carry before any key: (seen [B, H], τ [B, H, F], T [B, H, F', Dv+1], run [B])."""
+    return (jnp.zeros((b, h), bool), jnp.zeros((b, h, f), F32), jnp.zeros((b, h, width, dv1), F32),
+            jnp.full((b,), NO_RUN, jnp.int32))
+
+
+def summary(lk, sk, v1, keep, run):
+    """The carry a pass would leave after the keys `keep` [B, Lk] of lk/sk [B, H, Lk, ·] (all of one
+    document, `run` [B]): seen, their per-feature maximum τ and Σ exp(l_k − τ)·sign·[v, 1] on it."""
+    lk = jnp.where(keep[:, None, :, None], lk.astype(F32), NEG_INF)
+    top = jnp.max(lk, axis=2)
+    tau = sg(finite_or(top))
+    fk = _with_sign(jnp.exp(lk - tau[:, :, None]), sk)
+    total = jnp.einsum("bhld,bhlf->bhfd", v1.astype(F32), jnp.where(keep[:, None, :, None], fk, 0.0))
+    return jnp.any(jnp.isfinite(top), axis=-1), tau, total, run
+
+
+def merge(a, b):
+    """Carries a then b of one document: one carry (the maxima's maximum, the sums moved onto it)."""
+    seen_a, tau_a, total_a, _ = a
+    seen_b, tau_b, total_b, run = b
+    tau = jnp.maximum(jnp.where(seen_a[..., None], tau_a, NEG_INF), jnp.where(seen_b[..., None], tau_b, NEG_INF))
+    tau = sg(finite_or(tau))
+    keep = lambda seen, t: jnp.where(seen[..., None], jnp.exp(jnp.minimum(t - tau, 80.0)), 0.0)[..., None]
+    return seen_a | seen_b, tau, total_a * keep(seen_a, tau_a) + total_b * keep(seen_b, tau_b), run
+
+
 def before_sums(query_map, key_map, ctx, x, y, v1, valid, r, chunk_size=CAUSAL_CHUNK, path="auto", span=None,
-                gap=0):
+                gap=0, init=None):
     """Σ_{j ≤ i − gap, r_j = r_i} φ_q(i)ᵀφ_k(j)[v_j, 1]: (out, log-scale) as `causal_sums`, the key inputs
     (and their runs) moved `gap` positions later, the first `gap` rows no key."""
     l = seq_length(y)
     valid = jnp.ones((1, l), bool) if valid is None else jnp.asarray(valid, bool)
     valid = jnp.pad(valid, ((0, 0), (gap, 0)))[:, :l]
     return causal_sums(query_map, key_map, ctx, x, jax.tree.map(lambda a: _later(a, gap, 0.0), y),
-                       _later(v1, gap, 0.0), valid, r, shifted_runs(r, gap), chunk_size, path, span)
+                       _later(v1, gap, 0.0), valid, r, shifted_runs(r, gap), chunk_size, path, span, init)
 
 
-def after_sums(query_map, key_map, ctx, x, y, v1, valid, r, chunk_size=CAUSAL_CHUNK, path="auto", span=None, gap=1):
-    """Σ_{j ≥ i + gap, r_j = r_i} φ_q(i)ᵀφ_k(j)[v_j, 1]: `before_sums` over the reversed sequence."""
+def after_sums(query_map, key_map, ctx, x, y, v1, valid, r, chunk_size=CAUSAL_CHUNK, path="auto", span=None, gap=1,
+               init=None):
+    """Σ_{j ≥ i + gap, r_j = r_i} φ_q(i)ᵀφ_k(j)[v_j, 1]: `before_sums` over the reversed sequence (`init`
+    a carry of the keys after it, its run a `reversed_runs` number)."""
     valid = None if valid is None else jnp.flip(jnp.asarray(valid, bool), axis=1)
     out, scale = before_sums(query_map, key_map, ctx, jax.tree.map(_flip, x), jax.tree.map(_flip, y), _flip(v1),
-                             valid, reversed_runs(r), chunk_size, path, span, gap)
+                             valid, reversed_runs(r), chunk_size, path, span, gap, init)
     return _flip(out), _flip(scale)
 
 

@@ -48,13 +48,15 @@ class Floor:
     log_mass: jax.Array | None = None
 
 
-def jensen_floor(x, y, v, valid=None, causal=False, norms=None, runs=None) -> Floor:
+def jensen_floor(x, y, v, valid=None, causal=False, norms=None, runs=None, gap=0) -> Floor:
     """The denominator's floor for every query: x [B, H, Lq, D], y [B, H, Lk, D] the kernel's inputs,
     v [B, H, Lk, Dv], valid [B, Lk] or None; causal: queries aligned to the last keys, each seeing the
     keys up to its own position; norms: (log‖φ_q‖ [B, H, Lq], log‖φ_k‖ [B, H, Lk]) (`log_norm_bounds`) for
     the rounding bound's mass (`Floor.log_mass`), or None for a floor without it (diagnostics that only
     compare denominators with the bound); runs [B, Lk]: packed documents (favor.attention.documents),
-    each query's keys those of its own document (x and y of one length).
+    each query's keys those of its own document (x and y of one length). gap > 0 (a window's band of
+    w = gap − 1): the mass counts the keys the estimate sums only, |i − j| ≥ gap — the band's exact
+    weights add to the denominator the bound bounds but carry no estimate's rounding.
 
     By Jensen (exp is convex), Σ_j exp(x_iᵀy_j) ≥ n_i·exp(x_iᵀȳ_i), ȳ_i the mean of the n_i keys query
     i sees: O(L·D), causal through prefix sums, and never looser than the norm bound
@@ -66,7 +68,7 @@ def jensen_floor(x, y, v, valid=None, causal=False, norms=None, runs=None) -> Fl
     big = jnp.finfo(F32).max
     v_lo, v_hi = jnp.where(w > 0, v, big), jnp.where(w > 0, v, -big)
     if runs is not None:
-        return _document_floor(x, y, v, w, causal, norms, runs)
+        return _document_floor(x, y, v, w, causal, norms, runs, gap)
     if causal:
         rows = lambda a: a[:, :, l_k - l_q:]
         ysum, vsum, count = (rows(cumulative_sum(a)) for a in (y * w, v * w, ones))
@@ -81,13 +83,38 @@ def jensen_floor(x, y, v, valid=None, causal=False, norms=None, runs=None) -> Fl
         nq, nk = (sg(a.astype(F32)) for a in norms)
         if valid is not None:
             nk = jnp.where(jnp.asarray(valid, bool)[:, None, :], nk, NEG_INF)
-        nk = rows(cumulative(nk, jnp.logaddexp, NEG_INF)) if causal else jax.nn.logsumexp(nk, axis=2, keepdims=True)
+        if gap:
+            nk = estimated_mass(nk, causal, None, gap)[:, :, l_k - l_q:]
+        else:
+            nk = rows(cumulative(nk, jnp.logaddexp, NEG_INF)) if causal else jax.nn.logsumexp(nk, axis=2, keepdims=True)
         mass = jnp.where(count[..., 0] > 0, nq + nk, NEG_INF)
     return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high,
                  log_mass=mass)
 
 
-def _document_floor(x, y, v, w, causal, norms, runs):
+def estimated_mass(nk, causal, runs=None, gap=1):
+    """log Σ_j ‖φ_k(j)‖ [B, H, L] over the keys an estimate with a band sums for query i: j ≤ i − gap, and
+    j ≥ i + gap when bidirectional, of i's document when `runs` are given; nk [B, H, L] (−inf: no key)."""
+    from favor.attention import documents      # documents builds on this module's ratio
+
+    def before(nk, r):
+        total = cumulative(nk, jnp.logaddexp, NEG_INF) if r is None else documents.segmented(
+            nk, r[:, None], jnp.logaddexp, NEG_INF)
+        l = nk.shape[2]
+        moved = jnp.pad(total, ((0, 0), (0, 0), (gap, 0)), constant_values=NEG_INF)[:, :, :l]
+        if r is None:
+            return moved
+        same = jnp.pad(r, ((0, 0), (gap, 0)), constant_values=documents.NO_RUN)[:, :l] == r
+        return jnp.where(same[:, None], moved, NEG_INF)
+
+    out = before(nk, runs)
+    if not causal:
+        flip = lambda a: None if a is None else jnp.flip(a, axis=-1)
+        out = jnp.logaddexp(out, flip(before(flip(nk), flip(runs))))
+    return out
+
+
+def _document_floor(x, y, v, w, causal, norms, runs, gap=0):
     """jensen_floor over packed documents: the sums, extremes and counts per document, running (causal)
     or the document's whole (a running reduction restarting at each document, read at its last token)."""
     from favor.attention import documents      # documents builds on this module's ratio
@@ -114,7 +141,8 @@ def _document_floor(x, y, v, w, causal, norms, runs):
     if norms is not None:
         nq, nk = (sg(a.astype(F32)) for a in norms)
         nk = jnp.where(w[..., 0] > 0, nk, NEG_INF)
-        mass = jnp.where(count[..., 0] > 0, nq + over(nk, jnp.logaddexp, NEG_INF), NEG_INF)
+        seen = estimated_mass(nk, causal, runs, gap)[:, :, drop:] if gap else over(nk, jnp.logaddexp, NEG_INF)
+        mass = jnp.where(count[..., 0] > 0, nq + seen, NEG_INF)
     return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high,
                  log_mass=mass)
 

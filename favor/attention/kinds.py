@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from favor import kernels
 from favor.attention import (bidirectional, causal as causal_lib, decoding, documents, floor as floor_lib, fused,
-                             linear, schedule, window as window_lib)
+                             linear, schedule, sequence, window as window_lib)
 from favor.kernels.base import pytree_dataclass
 
 def check_qkv(q, k, v, mask, query_mask=None):
@@ -116,6 +116,15 @@ class Softmax(Attention):
                              "128, no padding mask and Lq = Lk when causal; impl='auto' falls back to XLA")
         return self.impl == "cudnn"
 
+    def _sequence_sharded(self, q, k, v, mask, causal, runs):
+        if self.window:
+            refuse_sequence_axis(self.name, f"window={self.window} has no band across devices")
+        if self.impl == "cudnn":
+            refuse_sequence_axis(self.name, "impl='cudnn' runs on one device's whole sequence")
+        if q.shape[1] != k.shape[1]:
+            refuse_sequence_axis(self.name, f"queries and keys differ in length ({q.shape[1]}, {k.shape[1]})")
+        return sequence.softmax(q, k, v, mask, runs, causal, q.shape[-1] ** -0.5)
+
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None, segment_ids=None):
         check_qkv(q, k, v, mask, query_mask)
@@ -123,6 +132,8 @@ class Softmax(Attention):
         if runs is not None and self.impl == "cudnn":
             raise ValueError("softmax: impl='cudnn' runs without segment_ids (cuDNN's fused attention here takes "
                              "no document mask); impl='auto' runs packed documents on XLA")
+        if sequence.axis_size() > 1:
+            return self._sequence_sharded(q, k, v, mask, causal, runs)
         if not self.window and self._cudnn(q, k, v, mask, causal):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
         m = None if mask is None else jnp.asarray(mask, bool)[:, None, None, :]
@@ -159,6 +170,11 @@ class Softmax(Attention):
             else:
                 out = jnp.where(jnp.any(seen, -1)[:, None, None, None], out, 0.0)
         return out
+
+
+def refuse_sequence_axis(kind, why):
+    raise ValueError(f"{kind}: mesh.sequence={sequence.axis_size()} shards the sequence, but {why}; "
+                     f"run it with mesh.sequence=1")
 
 
 class FeatureAttention(Attention, abc.ABC):
@@ -254,7 +270,7 @@ class FeatureAttention(Attention, abc.ABC):
         vv = _to_bhld(v)
         out = window_lib.attend(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.window,
                                 causal, self.chunk_size, self._window_path(), self.causal_span,
-                                self.floor(x, y, vv, mask, causal, ctx, runs), band=band,
+                                self.floor(x, y, vv, mask, causal, ctx, runs, gap=self.window + 1), band=band,
                                 log_mix=self._log_mix(mix, q.shape[2]), runs=runs)
         return _to_bhld(out).astype(v.dtype)
 
@@ -296,6 +312,8 @@ class FeatureAttention(Attention, abc.ABC):
             check_causal_lengths(q, k)
         runs = document_runs(segment_ids, q, k, causal)
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
+        if sequence.axis_size() > 1:
+            return self._sequence_sharded(q, k, v, mask, causal, ctx, runs)
         if self.window:
             return self._windowed(q, k, v, mask, causal, ctx, mix, runs)
         vv = _to_bhld(v)
@@ -334,12 +352,27 @@ class FeatureAttention(Attention, abc.ABC):
                                             self.bidirectional_chunk, floor)
         return _to_bhld(out).astype(v.dtype)
 
+    def _sequence_sharded(self, q, k, v, mask, causal, ctx, runs):
+        """The call with L split over the mesh's sequence axis (favor.attention.sequence)."""
+        if self.window:
+            refuse_sequence_axis(self.name, f"window={self.window} has no band across devices")
+        if not self.positive:
+            refuse_sequence_axis(self.name, "the floor of its denominator (a sign-indefinite kind) reads "
+                                            "statistics of every earlier key, which are not exchanged across devices")
+        if q.shape[1] != k.shape[1]:
+            refuse_sequence_axis(self.name, f"queries and keys differ in length ({q.shape[1]}, {k.shape[1]})")
+        x, y = self.inputs(q, k)
+        path = "exact" if "exact" in (self._window_path(), self.causal_path) else (self.causal_path if causal else "auto")
+        out = sequence.linear(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, runs, self.positive, causal,
+                              self.chunk_size or causal_lib.CAUSAL_CHUNK, path, self.causal_span)
+        return _to_bhld(out).astype(v.dtype)
+
     def plain_maps(self, ctx, x, y):
         """(φ_q, φ_k) themselves, not in log space: what causal_lib.causal_plain takes for a kind without
         finite_features (ReLU/ELU: `phi` elementwise)."""
         return self.phi(x), self.phi(y)
 
-    def floor(self, x, y, v, mask, causal, ctx, runs=None):
+    def floor(self, x, y, v, mask, causal, ctx, runs=None, gap=0):
         """What a sign-indefinite kind's ratio is floored by (floor_lib.jensen_floor: the bound
         n_i·exp(x_iᵀȳ_i) over the keys query i sees, x and y the kernel's inputs, those keys' value
         statistics, and the rows' feature norms for the rounding bound); None for positive kinds, whose
@@ -347,7 +380,7 @@ class FeatureAttention(Attention, abc.ABC):
         if self.positive:
             return None
         norms = floor_lib.log_norm_bounds(*self.query_map(ctx, x)), floor_lib.log_norm_bounds(*self.key_map(ctx, y))
-        return floor_lib.jensen_floor(x, y, v, mask, causal, norms, runs)
+        return floor_lib.jensen_floor(x, y, v, mask, causal, norms, runs, gap)
 
     # -- incremental decoding ----------------------------------------------------------------------
     def decode_context(self, dim, rng=None, step=None, draw=None, stats=None):
@@ -766,11 +799,17 @@ class RandomFeatureAttention(FeatureAttention):
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None, mix=None, segment_ids=None):
-        if segment_ids is not None:
+        if segment_ids is not None or sequence.axis_size() > 1:
             if self.impl.startswith("pallas"):
-                raise ValueError(f"{self.name}: impl={self.impl!r} runs without segment_ids (the fused kernel "
-                                 "does not yet restart its state at documents); impl='auto' or 'xla' runs packed "
-                                 "documents")
+                what = "segment_ids" if segment_ids is not None else f"mesh.sequence={sequence.axis_size()}"
+                raise ValueError(f"{self.name}: impl={self.impl!r} runs without {what} (the fused kernel does not "
+                                 "yet restart its state at documents or take a carry from other devices); "
+                                 "impl='auto' or 'xla' runs them")
+            if segment_ids is not None and self.data_dependent and stats is None and draw is None:
+                # the fit reads statistics of each row's tokens: on a packed row, of every document in it
+                raise ValueError(f"{self.name} fits its feature map to each row's tokens, so with segment_ids "
+                                 "one document's fit would read the others: pass stats= (running statistics, "
+                                 "attn.statistics(q, k) of other data) or unpacked rows (data.packing='stream')")
             return super().__call__(q, k, v, mask, causal, rng, step, draw, query_mask, stats, mix, segment_ids)
         if self.uses_fused(causal, q, k):
             check_qkv(q, k, v, mask, query_mask)

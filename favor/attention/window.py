@@ -215,6 +215,9 @@ def decode_prefill(lk, sk, y, v, window, valid=None, signed=False):
     lin = decoding.decode_prefill(lk[:, :, :old], None if sk is None else sk[:, :, :old], v[:, :, :old],
                                 key[:, :old])
     floor = decoding.decode_prefill(lk, sk, v, key, y.shape[-1], y) if signed else {}
+    if signed:      # the rounding bound's mass: the keys that left the band only (jensen_floor's gap)
+        norms = floor_lib.log_norm_bounds(lk[:, :, :old], None if sk is None else sk[:, :, :old])
+        floor["knorm"] = jax.nn.logsumexp(jnp.where(key[:, None, :old], norms, NEG_INF), axis=2)
     features = lin["tau"].shape[-1]
     lk = lk.astype(F32)
     if sk is not None:                 # kept per feature in the buffer, as decode_step keeps it
@@ -246,7 +249,8 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True, log_m
                                state["sk"][:, :, 0] if "sk" in state else None, state["v"][:, :, 0])
     push = lambda buf, new: jnp.concatenate([buf[:, :, 1:], new[:, :, None]], axis=2)
     norms = (floor_lib.log_norm_bounds(lq, sq), floor_lib.log_norm_bounds(lk, sk))
-    sums, floor = decoding.decode_floor(state, x, y, v, valid, norms)
+    leaving = floor_lib.log_norm_bounds(old_lk, state["sk"][:, :, 0] if "sk" in state else None)
+    sums, floor = decoding.decode_floor(state, x, y, v, valid, norms, leaving)
     new = {**lin, **sums, "y": push(state["y"], y), "lk": push(state["lk"], lk), "v": push(state["v"], v),
            "key": push(state["key"], key)}
     if "sk" in state:

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from favor.attention import sequence
+
 from favor.models.layers import Mlp, SelfAttention, dense, layer_norm, meta
 
 HEADS = ("mlm", "classification", "regression", "none")
@@ -104,6 +106,7 @@ class Bert(nnx.Module):
              + self.token_type_embeddings(token_type_ids))
         x = self.embedding_norm(x).astype(x.dtype)
         x = self.embedding_dropout(x, deterministic=deterministic)
+        x = sequence.constrain(x)      # split along L where the mesh has a sequence axis
         for layer in self.layers:
             x = layer(x, mask, deterministic, segment_ids)
         out = {"hidden_states": x}

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from favor.attention import sequence
+
 from favor.models.layers import Mlp, SelfAttention, dense, layer_norm, meta
 
 NORMS = ("rms", "layer")
@@ -144,6 +146,7 @@ class Decoder(nnx.Module):
         given = None if positions is None else _positions(positions, input_ids)
         x = self.embedding_dropout(self._embed(input_ids, _positions(positions, input_ids)),
                                    deterministic=deterministic)
+        x = sequence.constrain(x)      # split along L where the mesh has a sequence axis
         for layer in self.layers:     # rotary layers read the positions (None: their own 0 … L − 1)
             x = layer(x, mask, deterministic, positions=given, segment_ids=segment_ids)
         x, logits = self._logits(x)
