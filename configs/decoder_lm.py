@@ -26,8 +26,12 @@ text=<path>: train on your own text instead (favor.data.files): a .txt/.jsonl fi
 a glob; documents are a .txt file's paragraphs or a JSONL line's "text"; the last 2 % evaluate. With
 data=local the model takes the local sizes; with init=<dir> a Hugging Face model's, and its tokenizer.
 
+context=<tokens>: long-context rows of that many tokens (positions to match), the batch cut to keep
+2^18 tokens a step; sequence=<n>: split every row over n devices (mesh.sequence, context parallelism:
+favor.attention.sequence), e.g. `context=65536,sequence=8` on one 8-accelerator host.
+
 Args: data=tfds|local, runlocal, kind=<attention kind>, window=<band of exact softmax, 0 = none>, init=<dir>,
-text=<path>.
+text=<path>, context=<tokens>, sequence=<devices>.
 """
 
 from pathlib import Path
@@ -38,7 +42,8 @@ from favor import configbase, presets
 
 
 def get_config(arg=None):
-    args = configbase.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", text="", runlocal=False)
+    args = configbase.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", text="", runlocal=False,
+                                context=0, sequence=1)
     data = configbase.choice("data", args.data, ("tfds", "local"))
 
     c = configbase.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5_000,
@@ -84,6 +89,14 @@ def get_config(arg=None):
     for key in ("hidden", "num_layers", "heads", "mlp_dim"):
         if key not in c.model:
             c.model[key] = sizes[key]
+    if int(args.context):
+        n = int(args.context)
+        if n < 8:
+            raise ValueError(f"context={args.context}: expected a row length of at least 8 tokens")
+        c.data.max_length, c.model.max_positions = n, max(n, int(c.model.max_positions))
+        c.batch_size = c.eval_batch_size = max(1, 2 ** 18 // n)
+    if int(args.sequence) != 1:
+        c.mesh.sequence, c.mesh.data = int(args.sequence), -1
     if args.init:
         from favor.models import hf          # reads a checkpoint's config.json (JAX only for such configs)
         c.model.update(hf.decoder_config(args.init))

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from favor import checkpoint, data, models, rundir, sharding, tasks, uptrain
+from favor.data import source as source_lib
 from favor.configcheck import ConfigError, integer
 from favor import attention as attention_lib
 from favor.attention import schedule
@@ -350,6 +351,7 @@ def run(config, workdir) -> Summary:
     # Nothing is written to the workdir until every check below has passed (the data, the model, the
     # checkpoint's fit, the source of init_from): a start that fails leaves it as it was.
     mesh = sharding.make_mesh(config.mesh)
+    source_lib.use_process_rows(partial(sharding.process_rows, mesh))
     with sharding.sequence_context(mesh):
         return _run(config, workdir, mesh, t_start)
 

@@ -113,6 +113,19 @@ def batch_sharding(mesh):
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def process_rows(mesh, length: int) -> slice:
+    """The rows of a global batch of `length` that this process's devices hold under batch_sharding: an
+    equal share per process while the batch axes span the processes, the same rows for the processes a
+    sequence or tensor axis spans."""
+    index = batch_sharding(mesh).addressable_devices_indices_map((length,))
+    spans = {(s[0].start or 0, length if s[0].stop is None else s[0].stop) for s in index.values()}
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    if sum(b - a for a, b in spans) != hi - lo:
+        raise ValueError(f"mesh {dict(mesh.shape)}: this process's devices hold rows that are not one block "
+                         f"of the batch; order the mesh so that each process's batch rows are contiguous")
+    return slice(lo, hi)
+
+
 def global_batch(local: Mapping[str, np.ndarray], mesh, pad_hosts: bool = False) -> dict[str, jax.Array]:
     """Each process passes its own slice of the global batch; the result is one global array per key,
     sharded over the batch axes (the same code runs on one host and on many). `pad_hosts`: the source
@@ -122,7 +135,14 @@ def global_batch(local: Mapping[str, np.ndarray], mesh, pad_hosts: bool = False)
     local = {k: np.asarray(v) for k, v in local.items()}
     if pad_hosts and jax.process_count() > 1:
         local = _pad_to_common_shape(local)
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, _global_shape(mesh, v)) for k, v in local.items()}
+
+
+def _global_shape(mesh, local):
+    """The global shape of a batch array of which this process holds `local` (its `process_rows`)."""
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    mine = process_rows(mesh, dp)                  # one row per batch shard: the shards this process holds
+    return (local.shape[0] * dp // (mine.stop - mine.start), *local.shape[1:])
 
 
 def _pad_to_common_shape(local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -117,3 +117,54 @@ def test_a_decoder_trained_over_the_sequence_axis_matches_data_parallel(tmp_path
     assert len(result["data4"]) == 4 and result["split"] > 0
     for a, b in zip(result["sequence4"], result["data4"]):
         assert abs(a - b) <= 1e-5 * abs(b), (result["sequence4"], result["data4"])
+
+
+def test_the_sequence_axis_spans_two_processes(tmp_path):
+    """Two processes (jax.distributed, gloo) of 2 devices each, mesh.data=1 mesh.sequence=4: the sequence
+    axis spans both, each process feeds the whole batch (its devices hold every row), and the run gives
+    the single-process losses."""
+    workdir = tmp_path / "two"
+    from conftest import xla_flags
+    env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
+    args = ["--config", "configs/decoder_lm.py:runlocal,kind=favor+", "--config.total_steps=3",
+            "--config.eval_every=3", "--config.checkpoint_every=3", "--config.log_every=1",
+            "--config.batch_size=8", "--config.eval_batch_size=8"]
+    out = subprocess.run(["bash", str(ROOT / "launch/multihost_local.sh"), "2", str(workdir), *args,
+                          "--config.mesh.data=1", "--config.mesh.sequence=4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    logs = "".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("two.process*.log")))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + logs
+    two = json.loads((workdir / "summary.json").read_text())
+    one = subprocess.run([sys.executable, "train.py", "--workdir", str(tmp_path / "one"), *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**env, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=1")})
+    assert one.returncode == 0, one.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert two["step"] == one["step"] == 3 and len(two["train_loss_history"]) == 3
+    for a, b in zip(two["train_loss_history"], one["train_loss_history"]):
+        assert a[1] == pytest.approx(b[1], rel=1e-5), (two["train_loss_history"], one["train_loss_history"])
+
+
+def test_the_context_bench_measures_memory_and_collectives(tmp_path):
+    """`favor.bench context` on 2 simulated devices (it re-runs itself with the device flag): FAVOR+'s
+    collectives do not grow with L and are below softmax's, which gathers the keys and values; the section,
+    the raw figures and the plot are written."""
+    from favor.bench import context
+    hlo = ("%ag = f32[4,2,8]{2,1,0} all-gather(f32[1,2,8]{2,1,0} %x), dimensions={0}\n"
+           "%ar = (f32[16]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), to_apply=%add\n"
+           "%mul = f32[4,2,8]{2,1,0} multiply(%ag, %ag)\n")
+    assert context.collective_bytes(hlo) == 4 * 64 + 4 * 16 + 2 * 16
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, "-m", "favor.bench", "context", "--lengths", "512,1024", "--devices", "1,2",
+                           "--time-devices", "2", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench" / "context-parallel.json").read_text())["rows"]
+    at = {(r["kind"], r["length"], r["devices"]): r for r in rows}
+    assert at[("favor+", 512, 1)]["collective"] == 0
+    assert at[("favor+", 512, 2)]["collective"] == at[("favor+", 1024, 2)]["collective"] > 0
+    assert at[("softmax", 1024, 2)]["collective"] > at[("softmax", 512, 2)]["collective"] > at[("favor+", 512, 2)]["collective"]
+    assert at[("favor+", 1024, 2)]["seconds"] is not None
+    assert "## context-parallel" in (tmp_path / "BENCHMARKS.md").read_text()
+    assert (tmp_path / "bench" / "context-parallel.png").stat().st_size > 10_000

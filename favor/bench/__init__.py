@@ -11,6 +11,7 @@
   accel      every kind (XLA and the fused kernel) against softmax/FlashAttention over lengths to 128K
   tune       the fused kernels' cut and launch (fused.TUNING): candidate cuts timed on this device
   lora       optimizer memory of LoRA uptraining against full fine-tuning
+  context    long context over the sequence mesh axis: per-device memory, collectives and time, FAVOR+ and softmax
   headline   BENCHMARKS.md's table of targets, regenerated from the sections' raw figures (measures nothing)
 
 Every figure of one run is also written as a ratio to figures measured in the same run (machines are

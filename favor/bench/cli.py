@@ -13,11 +13,12 @@ import sys
 
 from favor import extras
 from favor.configcheck import UsageError
-from favor.bench import accel, attention, generate, headline, lora, parts, peers, ratios, steps, train, tune, uptrain
+from favor.bench import (accel, attention, context, generate, headline, lora, parts, peers, ratios, steps, train,
+                         tune, uptrain)
 
 SUBCOMMANDS = {"attention": attention, "ratios": ratios, "parts": parts, "train": train, "steps": steps,
                "uptrain": uptrain, "peers": peers, "generate": generate, "accel": accel,
-               "tune": tune, "lora": lora, "headline": headline}
+               "tune": tune, "lora": lora, "context": context, "headline": headline}
 
 
 def main(argv=None):

@@ -32,6 +32,18 @@ import numpy as np
 from favor import extras
 
 
+# which rows of a global batch this process feeds, set once per process by the trainer from its mesh
+# (favor.sharding.process_rows); None: an equal share per process. Process-wide like the device set itself,
+# and read from the prefetch thread, which a context variable would not reach.
+_PROCESS_ROWS = None
+
+
+def use_process_rows(rows) -> None:
+    """rows(length) -> slice: the rows of a global batch this process's devices hold (None: the default)."""
+    global _PROCESS_ROWS
+    _PROCESS_ROWS = rows
+
+
 class IndexedSource(abc.ABC):
     OPTIONS: dict = {}
     host_dependent_shapes = False     # True: batch widths come from each host's own rows (the trainer pads)
@@ -76,7 +88,11 @@ class IndexedSource(abc.ABC):
 
     @staticmethod
     def local_slice(length: int) -> slice:
-        """This process's positions in a global batch of `length` rows."""
+        """This process's positions in a global batch of `length` rows: the rows its devices hold
+        (`use_process_rows`: a mesh whose non-batch axes span processes gives several processes the
+        same rows), by default an equal share per process."""
+        if _PROCESS_ROWS is not None:
+            return _PROCESS_ROWS(length)
         import jax        # here, not at the top: configs read data modules' constants without JAX
         p, i = jax.process_count(), jax.process_index()
         if length % p:
