@@ -115,14 +115,21 @@ class _Missing:
 MISSING = _Missing()       # a key the run's record has and this start's config lacks
 
 
+# keys added with a default that is not what a run recorded without them did: such a record reads as the
+# old behaviour, so resuming it under the new default is a difference (not a newer favor's silent change)
+BEFORE = {"data.packing": "stream"}     # text rows ran across documents before packing was an option
+
+
 def differences(recorded: dict, config: dict) -> list[tuple[str, object, object]]:
     """(key, the run's value, this start's value) for every key a resume may not change whose value
     differs. The model block is compared as the model is built (`_resolved_model`). Elsewhere a key the
     run's record has and this start lacks differs (an optional setting dropped: `<missing>`); a key only
     this start has is a key of a newer favor (where it changes the train state, the checkpoint's tree
-    then refuses the resume). An empty `data.tokenizer` is the run's own recorded tokenizer."""
+    then refuses the resume), but for the keys in BEFORE, read as their old behaviour. An empty
+    `data.tokenizer` is the run's own recorded tokenizer."""
     resolve = lambda c: {**c, "model": _resolved_model(c["model"])} if isinstance(c.get("model"), dict) else c
     have, want = flat(resolve(recorded)), flat(resolve(config))
+    have.update({k: v for k, v in BEFORE.items() if k not in have and k in want})
     out = []
     for key in sorted(have):
         if resumable(key) or (key == "data.tokenizer" and not want.get(key)):

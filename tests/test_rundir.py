@@ -238,3 +238,15 @@ def test_train_py_refuses_a_workdir_that_is_not_its_own_in_one_line(copy, tmp_pa
         # where there is no checkpoint to start from, the way out is another directory, not init_from
         assert ("it saved no checkpoint" in lines[-1]) == (workdir == str(started)), lines[-1]
     assert [snapshot(tmp_path), a_file.read_bytes()] == before
+
+
+def test_a_decoder_run_recorded_before_document_packing_resumes_as_a_stream():
+    """A record without data.packing ran rows across documents: resuming it under the decoder's new default
+    ("documents") is a difference, and with --config.data.packing=stream it is the same run."""
+    from configs import decoder_lm
+    now = json.loads(decoder_lm.get_config("runlocal").to_json())
+    old = json.loads(decoder_lm.get_config("runlocal").to_json())
+    del old["data"]["packing"]
+    assert rundir.differences(old, now) == [("data.packing", "stream", "documents")]
+    now["data"]["packing"] = "stream"
+    assert rundir.differences(old, now) == []

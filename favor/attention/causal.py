@@ -125,8 +125,8 @@ def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK, 
         before = jnp.concatenate([jnp.full_like(last[:, :1], documents.NO_RUN), last[:, :-1]], axis=1)
         tail = (r_n == last[..., None])[:, None, :, None, :]                            # the chunk's last document
         fk_tail = jnp.where(tail, fk_t, 0.0)
-        prefix = documents.exclusive_prefix(jnp.einsum("bhnfc,bhncd->bhnfd", fk_tail, v_n), last, before)
-        key_prefix = documents.exclusive_prefix(jnp.sum(fk_tail, axis=4), last, before)
+        prefix = documents.exclusive_prefix(jnp.einsum("bhnfc,bhncd->bhnfd", fk_tail, v_n), last, before)[0]
+        key_prefix = documents.exclusive_prefix(jnp.sum(fk_tail, axis=4), last, before)[0]
         reads = (r_n == before[..., None])[:, None, :, :, None]                          # [B, 1, N, c, 1]
         fq_pre = jnp.where(reads, fq_n, 0.0)          # only queries of the document open at the chunk's start
         tril = tril & (r_n[..., :, None] == r_n[..., None, :])[:, None]

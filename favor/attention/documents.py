@@ -157,11 +157,7 @@ def _fast_span(lq, sq, lk, sk, v1, rq, rk, ref, has, carry, c):
     before = jnp.concatenate([carry_run[:, None], last[:, :-1]], axis=1)          # the run open at its start
     tail = (rk_n == last[..., None])[:, None, :, :, None]                         # [B, 1, N, c, 1]
     states = jnp.einsum("bhncd,bhncf->bhnfd", jnp.where(tail, v1w, 0.0), fk_n)  # the last document's keys
-    prefix, state = [], total
-    for m in range(n):      # a few chunks per span: the segmented running sum unrolled
-        prefix.append(state)
-        state = jnp.where((last[:, m] == before[:, m])[:, None, None, None], state, 0.0) + states[:, :, m]
-    prefix = jnp.stack(prefix, axis=2)                                           # [B, H, N, F, Dv+1]
+    prefix, state = exclusive_prefix(states, last, before, total)                # [B, H, N, F, Dv+1]
     reads = (rq_n == before[..., None])[:, None, :, :, None]
     mask = jnp.tril(jnp.ones((c, c), bool)) & (rq_n[..., :, None] == rk_n[..., None, :])[:, None]
     scores = jnp.where(mask, jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n), 0.0)
@@ -363,10 +359,11 @@ def bidirectional(query_map, key_map, ctx, x, y, v, valid, r, positive, chunk_si
     return ratio(out, positive, scale, floor)
 
 
-def exclusive_prefix(states, last, before):
-    """Per chunk n [B, H, N, ·]: the sum of the chunk states before it that belong to the document open at
-    its start — P_0 = 0, P_{n+1} = P_n·[chunk n continues that document] + states_n, `states` holding each
-    chunk's last document's part only; last/before [B, N] the run each chunk ends with / starts in."""
+def exclusive_prefix(states, last, before, init=None):
+    """(per chunk n [B, H, N, ·] the sum of the chunk states before it that belong to the document open at
+    its start, the sum after the last chunk): P_0 = init (0 if None), P_{n+1} = P_n·[chunk n continues that
+    document] + states_n, `states` holding each chunk's last document's part only; last/before [B, N] the
+    run each chunk ends with / starts in. A scan: one step per chunk, whatever their number."""
     moved = jnp.moveaxis(states, 2, 0)
     cont = jnp.moveaxis(last == before, 1, 0)                                   # [N, B]
 
@@ -375,5 +372,5 @@ def exclusive_prefix(states, last, before):
         keep = c_n.reshape((-1,) + (1,) * (total.ndim - 1))
         return jnp.where(keep, total, 0.0) + s_n, total
 
-    _, out = jax.lax.scan(step, jnp.zeros_like(moved[0]), (moved, cont))
-    return jnp.moveaxis(out, 0, 2)
+    final, out = jax.lax.scan(step, jnp.zeros_like(moved[0]) if init is None else init, (moved, cont))
+    return jnp.moveaxis(out, 0, 2), final
