@@ -351,8 +351,7 @@ def run(config, workdir) -> Summary:
     # Nothing is written to the workdir until every check below has passed (the data, the model, the
     # checkpoint's fit, the source of init_from): a start that fails leaves it as it was.
     mesh = sharding.make_mesh(config.mesh)
-    source_lib.use_process_rows(partial(sharding.process_rows, mesh))
-    with sharding.sequence_context(mesh):
+    with source_lib.process_rows(partial(sharding.process_rows, mesh)), sharding.sequence_context(mesh):
         return _run(config, workdir, mesh, t_start)
 
 

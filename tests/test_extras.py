@@ -57,6 +57,7 @@ cli.main(["accel", "--kinds", "favor+", "--lengths", "32", "--modes", "causal", 
           "--head-dims", "64", "--tokens", "32", "--rounds", "1", "--out", out])
 cli.main(["lora", "--presets", "tiny", "--ranks", "2", "--out", out])
 cli.main(["tune", "--quick", "--modes", "causal", "--precisions", "bf16", "--out", out])
+cli.main(["context", "--lengths", "64", "--devices", "1", "--time-devices", "1", "--out", out])
 cli.main(["headline", "--out", out])
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("tensorflow", "tensorflow_datasets"))
 assert not loaded, loaded[:5]
@@ -92,7 +93,7 @@ def test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow(tmp_pat
     assert "BENCHES DONE" in done.stdout and "done: step 4, attention favor++" in done.stdout, done.stdout[-3000:]
     from favor.bench import cli
     assert set(cli.SUBCOMMANDS) == {"attention", "ratios", "parts", "steps", "generate", "train", "uptrain",
-                                    "peers", "accel", "tune", "lora", "headline"}   # a new subcommand is added to BENCHES above
+                                    "peers", "accel", "tune", "lora", "context", "headline"}   # a new subcommand is added to BENCHES above
 
 
 def test_a_tfds_pipeline_without_tensorflow_is_one_line_naming_the_extra(tmp_path):

@@ -35,7 +35,7 @@ out = {}
 for name, opts in cases:
     attn = attention.get(name, **opts)
     for causal in (True, False):
-        for segs in (None, seg):
+        for segs in ((None, seg) if name == "favor+" and not opts else (seg,)):   # without documents: once
             f = lambda q, k, v: attn(q, k, v, mask=mask, causal=causal, rng=jax.random.key(1), segment_ids=segs)
             loss = lambda q, k, v: jnp.sum(f(q, k, v) * lin * mask[:, :, None, None])
             run = jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))
@@ -158,15 +158,15 @@ def test_the_context_bench_measures_memory_and_collectives(tmp_path):
            "%mul = f32[4,2,8]{2,1,0} multiply(%ag, %ag)\n")
     assert context.collective_bytes(hlo) == 4 * 64 + 4 * 16 + 2 * 16
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.run([sys.executable, "-m", "favor.bench", "context", "--lengths", "512,1024", "--devices", "1,2",
+    proc = subprocess.run([sys.executable, "-m", "favor.bench", "context", "--lengths", "256,512", "--devices", "1,2",
                            "--time-devices", "2", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench" / "context-parallel.json").read_text())["rows"]
     at = {(r["kind"], r["length"], r["devices"]): r for r in rows}
-    assert at[("favor+", 512, 1)]["collective"] == 0
-    assert at[("favor+", 512, 2)]["collective"] == at[("favor+", 1024, 2)]["collective"] > 0
-    assert at[("softmax", 1024, 2)]["collective"] > at[("softmax", 512, 2)]["collective"] > at[("favor+", 512, 2)]["collective"]
-    assert at[("favor+", 1024, 2)]["seconds"] is not None
+    assert at[("favor+", 256, 1)]["collective"] == 0
+    assert at[("favor+", 256, 2)]["collective"] == at[("favor+", 512, 2)]["collective"] > 0
+    assert at[("softmax", 512, 2)]["collective"] > at[("softmax", 256, 2)]["collective"] > at[("favor+", 256, 2)]["collective"]
+    assert at[("favor+", 512, 2)]["seconds"] is not None
     assert "## context-parallel" in (tmp_path / "BENCHMARKS.md").read_text()
     assert (tmp_path / "bench" / "context-parallel.png").stat().st_size > 10_000

@@ -12,7 +12,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from favor.attention.linear import (F32, NEG_INF, _chunks, _in_chunks, _mask_keys, _row_scaled, _valid_chunks,
+from favor.attention.linear import (F32, NEG_INF, NO_RUN, _chunks, _in_chunks, _mask_keys, _row_scaled, _valid_chunks,
                                     _with_sign, cumulative, finite_or, jit_when_eager, ones_column, seq_length, sg)
 from favor.attention.floor import divide, ratio
 
@@ -48,7 +48,7 @@ def _span(chunk, length, span=None):
 
 @jit_when_eager("query_map", "key_map", "positive", "chunk_size", "path", "span")
 def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK,
-                path="auto", span=None, floor=None, runs=None):
+                path="auto", span=None, floor=None):
     """[B, H, Lq, Dv] with query i seeing keys ≤ i + (Lk − Lq) (queries aligned to the last keys, as in
     decoding after a prefix), the features made from inputs span by span (maps and inputs as in
     `bidirectional_maps`). Every quantity the output at i is computed from — the fitted parameters are
@@ -64,8 +64,8 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     the guarantee can be wrong, gradients included: it is for benchmarks and tests. "auto" decides per
     span on all its keys, so a later token of the same span can switch the path and move an output at
     rounding level (each path alone is causal bit for bit). `floor` as in `bidirectional_maps`
-    (here `jensen_floor(..., causal=True)`: prefix sums, causal too). `runs` [B, Lk]: packed
-    documents (favor.attention.documents.runs), each query seeing the keys of its own only.
+    (here `jensen_floor(..., causal=True)`: prefix sums, causal too). Packed documents:
+    favor.attention.documents.causal_maps.
     """
     if path not in PATHS:
         raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
@@ -75,12 +75,7 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
                          f"got Lq = {l_q}, Lk = {l_k}")
     if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
         x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
-    if runs is None:
-        out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, chunk_size, path, span)
-    else:
-        from favor.attention import documents     # it builds on this module's spans and paths
-        out, scale = documents.causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, runs, runs,
-                                           chunk_size, path, span)
+    out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, chunk_size, path, span)
     return ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
 
 
@@ -118,15 +113,14 @@ def causal_plain(fq, fk, v, valid=None, positive=True, chunk_size=CAUSAL_CHUNK, 
         states = jnp.einsum("bhnfc,bhncd->bhnfd", fk_t, v_n)                            # [B, H, N, F, Dv]
         prefix, key_prefix = exclusive_prefix(states), exclusive_prefix(jnp.sum(fk_n, axis=3))
     else:
-        from favor.attention import documents
         n = fk_n.shape[2]
         r_n = jnp.pad(runs, ((0, 0), (0, n * c - l_k)), mode="edge").reshape(runs.shape[0], n, c)
         last = r_n[:, :, -1]
-        before = jnp.concatenate([jnp.full_like(last[:, :1], documents.NO_RUN), last[:, :-1]], axis=1)
+        before = jnp.concatenate([jnp.full_like(last[:, :1], NO_RUN), last[:, :-1]], axis=1)
         tail = (r_n == last[..., None])[:, None, :, None, :]                            # the chunk's last document
         fk_tail = jnp.where(tail, fk_t, 0.0)
-        prefix = documents.exclusive_prefix(jnp.einsum("bhnfc,bhncd->bhnfd", fk_tail, v_n), last, before)[0]
-        key_prefix = documents.exclusive_prefix(jnp.sum(fk_tail, axis=4), last, before)[0]
+        prefix = document_prefix(jnp.einsum("bhnfc,bhncd->bhnfd", fk_tail, v_n), last, before)[0]
+        key_prefix = document_prefix(jnp.sum(fk_tail, axis=4), last, before)[0]
         reads = (r_n == before[..., None])[:, None, :, :, None]                          # [B, 1, N, c, 1]
         fq_pre = jnp.where(reads, fq_n, 0.0)          # only queries of the document open at the chunk's start
         tril = tril & (r_n[..., :, None] == r_n[..., None, :])[:, None]
@@ -403,3 +397,20 @@ def _exact_chunk(lq, sq, lk, sk, v1, tau0, start, block):
     scores = jnp.sum(terms, axis=-1)
     out = jnp.einsum("bhnif,bhnfd->bhnid", fq, prefix) + jnp.einsum("bhnij,bhnjd->bhnid", scores, v1_c)
     return out.reshape(b, h, n * c, -1)[:, :, :l], ci.reshape(b, h, n * c)[:, :, :l]
+
+
+def document_prefix(states, last, before, init=None):
+    """(per chunk n [B, H, N, ·] the sum of the chunk states before it that belong to the document open at
+    its start, the sum after the last chunk): P_0 = init (0 if None), P_{n+1} = P_n·[chunk n continues that
+    document] + states_n, `states` holding each chunk's last document's part only; last/before [B, N] the
+    run each chunk ends with / starts in. A scan: one step per chunk, whatever their number."""
+    moved = jnp.moveaxis(states, 2, 0)
+    cont = jnp.moveaxis(last == before, 1, 0)                                   # [N, B]
+
+    def step(total, xs):
+        s_n, c_n = xs
+        keep = c_n.reshape((-1,) + (1,) * (total.ndim - 1))
+        return jnp.where(keep, total, 0.0) + s_n, total
+
+    final, out = jax.lax.scan(step, jnp.zeros_like(moved[0]) if init is None else init, (moved, cont))
+    return jnp.moveaxis(out, 0, 2), final

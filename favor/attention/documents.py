@@ -30,12 +30,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from favor.attention.causal import CAUSAL_CHUNK, EXACT_BLOCK, FAST_EXCEEDANCE, PATHS, _span, _unit
+from favor.attention.causal import (CAUSAL_CHUNK, EXACT_BLOCK, FAST_EXCEEDANCE, PATHS, _span, _unit,
+                                    document_prefix)
 from favor.attention.floor import ratio
-from favor.attention.linear import (F32, NEG_INF, _in_chunks, combine, _row_scaled, _valid_chunks, _with_sign, finite_or,
-                                    ones_column, seq_length, sg)
+from favor.attention.linear import (F32, NEG_INF, NO_RUN, _in_chunks, _row_scaled, _valid_chunks, _with_sign, combine,
+                                    finite_or, ones_column, segmented, seq_length, sg)
 
-NO_RUN = -1               # the run of a position that holds no key at all (shifted-in rows, the carry's start
 
 
 def check_segments(segment_ids, batch, length):
@@ -76,28 +76,6 @@ def shifted_runs(r, s):
     l = r.shape[1]
     s = min(s, l)
     return jnp.pad(r, ((0, 0), (s, 0)), constant_values=NO_RUN)[:, :l]
-
-
-def _shift_back(a, k, fill, axis):
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (k, 0)
-    return jax.lax.slice_in_dim(jnp.pad(a, pad, constant_values=fill), 0, a.shape[axis], axis=axis)
-
-
-def segmented(a, r, op, fill, axis=-1):
-    """The inclusive prefix reduction of `a` along `axis` under `op` (identity `fill`), restarting at
-    every change of run: out_i = op over j ≤ i in i's run. r broadcasts against `a` with the same axis.
-    By doubling (Hillis and Steele): step k combines i with i − k when both lie in one run, and since a
-    run is contiguous, i − k outside i's run means i's value already covers the run's part before i."""
-    axis = axis % a.ndim
-    raxis = axis - (a.ndim - r.ndim)
-    n = a.shape[axis]
-    k = 1
-    while k < n:
-        same = _shift_back(r, k, NO_RUN - 1, raxis) == r
-        a = jnp.where(same, op(a, _shift_back(a, k, fill, axis)), a)
-        k *= 2
-    return a
 
 
 def _expand(r):
@@ -157,7 +135,7 @@ def _fast_span(lq, sq, lk, sk, v1, rq, rk, ref, has, carry, c):
     before = jnp.concatenate([carry_run[:, None], last[:, :-1]], axis=1)          # the run open at its start
     tail = (rk_n == last[..., None])[:, None, :, :, None]                         # [B, 1, N, c, 1]
     states = jnp.einsum("bhncd,bhncf->bhnfd", jnp.where(tail, v1w, 0.0), fk_n)  # the last document's keys
-    prefix, state = exclusive_prefix(states, last, before, total)                # [B, H, N, F, Dv+1]
+    prefix, state = document_prefix(states, last, before, total)                # [B, H, N, F, Dv+1]
     reads = (rq_n == before[..., None])[:, None, :, :, None]
     mask = jnp.tril(jnp.ones((c, c), bool)) & (rq_n[..., :, None] == rk_n[..., None, :])[:, None]
     scores = jnp.where(mask, jnp.einsum("bhnif,bhnjf->bhnij", fq_n, fk_n), 0.0)
@@ -359,18 +337,17 @@ def bidirectional(query_map, key_map, ctx, x, y, v, valid, r, positive, chunk_si
     return ratio(out, positive, scale, floor)
 
 
-def exclusive_prefix(states, last, before, init=None):
-    """(per chunk n [B, H, N, ·] the sum of the chunk states before it that belong to the document open at
-    its start, the sum after the last chunk): P_0 = init (0 if None), P_{n+1} = P_n·[chunk n continues that
-    document] + states_n, `states` holding each chunk's last document's part only; last/before [B, N] the
-    run each chunk ends with / starts in. A scan: one step per chunk, whatever their number."""
-    moved = jnp.moveaxis(states, 2, 0)
-    cont = jnp.moveaxis(last == before, 1, 0)                                   # [N, B]
-
-    def step(total, xs):
-        s_n, c_n = xs
-        keep = c_n.reshape((-1,) + (1,) * (total.ndim - 1))
-        return jnp.where(keep, total, 0.0) + s_n, total
-
-    final, out = jax.lax.scan(step, jnp.zeros_like(moved[0]) if init is None else init, (moved, cont))
-    return jnp.moveaxis(out, 0, 2), final
+def causal_maps(query_map, key_map, ctx, x, y, v, valid, runs, positive=True, chunk_size=CAUSAL_CHUNK, path="auto",
+                span=None, floor=None):
+    """favor.attention.causal.causal_maps over packed documents (`runs` [B, Lk]): each query sees the keys
+    ≤ it of its own document; queries aligned to the last keys (Lq ≤ Lk)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
+    l_q, l_k = seq_length(x), seq_length(y)
+    if l_q > l_k:
+        raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
+                         f"got Lq = {l_q}, Lk = {l_k}")
+    if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
+        x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
+    out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, runs, runs, chunk_size, path, span)
+    return ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.kernels.base import pytree_dataclass
-from favor.attention.linear import F32, NEG_INF, _divide, cumulative, cumulative_sum, guard, sg
+from favor.attention.linear import F32, NEG_INF, NO_RUN, _divide, cumulative, cumulative_sum, guard, segmented, sg
 
 # The least bound, on a row's own scale, that floored_ratio divides by: every stabilised term is ≤ 1, so
 # the numerator is below L·F·max|v| and its quotient stays finite in float32 (an inf there would turn a
@@ -95,16 +95,14 @@ def jensen_floor(x, y, v, valid=None, causal=False, norms=None, runs=None, gap=0
 def estimated_mass(nk, causal, runs=None, gap=1):
     """log Σ_j ‖φ_k(j)‖ [B, H, L] over the keys an estimate with a band sums for query i: j ≤ i − gap, and
     j ≥ i + gap when bidirectional, of i's document when `runs` are given; nk [B, H, L] (−inf: no key)."""
-    from favor.attention import documents      # documents builds on this module's ratio
-
     def before(nk, r):
-        total = cumulative(nk, jnp.logaddexp, NEG_INF) if r is None else documents.segmented(
+        total = cumulative(nk, jnp.logaddexp, NEG_INF) if r is None else segmented(
             nk, r[:, None], jnp.logaddexp, NEG_INF)
         l = nk.shape[2]
         moved = jnp.pad(total, ((0, 0), (0, 0), (gap, 0)), constant_values=NEG_INF)[:, :, :l]
         if r is None:
             return moved
-        same = jnp.pad(r, ((0, 0), (gap, 0)), constant_values=documents.NO_RUN)[:, :l] == r
+        same = jnp.pad(r, ((0, 0), (gap, 0)), constant_values=NO_RUN)[:, :l] == r
         return jnp.where(same[:, None], moved, NEG_INF)
 
     out = before(nk, runs)
@@ -117,12 +115,11 @@ def estimated_mass(nk, causal, runs=None, gap=1):
 def _document_floor(x, y, v, w, causal, norms, runs, gap=0):
     """jensen_floor over packed documents: the sums, extremes and counts per document, running (causal)
     or the document's whole (a running reduction restarting at each document, read at its last token)."""
-    from favor.attention import documents      # documents builds on this module's ratio
     r = runs[:, None, :, None]
     big = jnp.finfo(F32).max
-    over = lambda a, op, fill: documents.segmented(a, r if a.ndim == 4 else runs[:, None], op, fill, axis=2)
+    over = lambda a, op, fill: segmented(a, r if a.ndim == 4 else runs[:, None], op, fill, axis=2)
     if not causal:
-        ends = documents.segmented(jnp.flip(jnp.arange(runs.shape[1])[None].repeat(runs.shape[0], 0), 1),
+        ends = segmented(jnp.flip(jnp.arange(runs.shape[1])[None].repeat(runs.shape[0], 0), 1),
                                    jnp.flip(runs, 1), jnp.maximum, -1)
         ends = jnp.flip(ends, 1)[:, None, :]                                       # each token's document's end
         whole = lambda a: jnp.take_along_axis(a, ends[..., None] if a.ndim == 4 else ends, axis=2)

@@ -332,13 +332,18 @@ class FeatureAttention(Attention, abc.ABC):
                 # finite gradients), so its unused result never makes a NaN gradient
                 plain = causal_lib.causal_plain(jnp.where(safe, fq, 0.0), jnp.where(safe, fk, 0.0), vv, mask,
                                                 self.positive, self.chunk_size, runs)
-                exact = lambda plain, x, y, vv: causal_lib.causal_maps(
+                exact = lambda plain, x, y, vv: (causal_lib.causal_maps(
                     self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive, self.chunk_size, "exact",
-                    self.causal_span, runs=runs)
+                    self.causal_span) if runs is None else documents.causal_maps(
+                    self.query_map, self.key_map, ctx, x, y, vv, mask, runs, self.positive, self.chunk_size, "exact",
+                    self.causal_span))
                 out = jax.lax.cond(safe, lambda plain, x, y, vv: plain, exact, plain, x, y, vv)
+            elif runs is not None:
+                out = documents.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, runs, self.positive,
+                                            self.chunk_size, self.causal_path, self.causal_span, floor)
             else:
                 out = causal_lib.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, self.positive,
-                                         self.chunk_size, self.causal_path, self.causal_span, floor, runs)
+                                         self.chunk_size, self.causal_path, self.causal_span, floor)
         elif runs is not None:
             # the causal sums plus those of the reversed sequence: twice a causal pass (a state per document
             # would need the documents' count, which only the data knows). Maps with exact zero features

@@ -220,3 +220,29 @@ def combine(parts):
     for out, s in parts:
         total = total + out * jnp.where(jnp.isfinite(s), jnp.exp(s - finite_or(top)), 0.0)[..., None]
     return total, top
+
+
+# -- packed documents (favor.attention.documents) --------------------------------------------------------
+NO_RUN = -1     # the run of a position that holds no key at all (shifted-in rows, the carry before any key)
+
+
+def _shift_back(a, k, fill, axis):
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (k, 0)
+    return jax.lax.slice_in_dim(jnp.pad(a, pad, constant_values=fill), 0, a.shape[axis], axis=axis)
+
+
+def segmented(a, r, op, fill, axis=-1):
+    """The inclusive prefix reduction of `a` along `axis` under `op` (identity `fill`), restarting at
+    every change of run: out_i = op over j ≤ i in i's run. r broadcasts against `a` with the same axis.
+    By doubling (Hillis and Steele): step k combines i with i − k when both lie in one run, and since a
+    run is contiguous, i − k outside i's run means i's value already covers the run's part before i."""
+    axis = axis % a.ndim
+    raxis = axis - (a.ndim - r.ndim)
+    n = a.shape[axis]
+    k = 1
+    while k < n:
+        same = _shift_back(r, k, NO_RUN - 1, raxis) == r
+        a = jnp.where(same, op(a, _shift_back(a, k, fill, axis)), a)
+        k *= 2
+    return a

@@ -23,6 +23,8 @@ format), so this works the same for an in-memory array and for ImageNet on disk.
 
 from __future__ import annotations
 
+import contextlib
+
 import abc
 from pathlib import Path
 from typing import Iterator
@@ -38,10 +40,16 @@ from favor import extras
 _PROCESS_ROWS = None
 
 
-def use_process_rows(rows) -> None:
-    """rows(length) -> slice: the rows of a global batch this process's devices hold (None: the default)."""
+@contextlib.contextmanager
+def process_rows(rows):
+    """Within: rows(length) -> slice gives the rows of a global batch this process's devices hold (None:
+    the default); the previous setting comes back after (a run's layout never outlives the run)."""
     global _PROCESS_ROWS
-    _PROCESS_ROWS = rows
+    before, _PROCESS_ROWS = _PROCESS_ROWS, rows
+    try:
+        yield
+    finally:
+        _PROCESS_ROWS = before
 
 
 class IndexedSource(abc.ABC):

@@ -113,25 +113,28 @@ def _relative_variance(attn, q, k, mask, ctx):
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _kind_figures(attn, causal, q, k, v, mask, key, own_draw=None):
+def _kind_figures(attn, causal, q, k, v, mask, key, own_draw=None, segment_ids=None):
     """(squared error against exact softmax per token and head [B, L, H], relative variance per head or
     None, (denominator ≤ 0, below the floor) per token and head [B, L, H] or None). Softmax is computed
     in the same program, so the softmax kind's own error is exactly 0. `own_draw`: the layer's stored ω,
-    used for the run's own kind when the run keeps one draw (its model never saw another)."""
-    exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=causal)
+    used for the run's own kind when the run keeps one draw (its model never saw another). `segment_ids`:
+    packed documents, which the outputs (both sides) keep apart; the variance and denominator rows are
+    the whole row's."""
+    docs = {} if segment_ids is None else {"segment_ids": segment_ids}
+    exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=causal, **docs)
     rv = rows = None
     if isinstance(attn, attention_lib.RandomFeatureAttention):
         stats = None
-        if causal and attn.data_dependent:
+        if (causal or docs) and attn.data_dependent:
             stats = attn.statistics(q, k, mask, mask)        # a diagnostic: fitted on the batch itself
         draw = attn.base_draw(key, q.shape[-1]) if own_draw is None else own_draw
-        out = attn(q, k, v, mask=mask, causal=causal, draw=draw, query_mask=mask, stats=stats)
+        out = attn(q, k, v, mask=mask, causal=causal, draw=draw, query_mask=mask, stats=stats, **docs)
         ctx = attn.context(q, k, mask, None, None, mask, draw, stats, causal)
         rv = _relative_variance(attn, q, k, mask, ctx)
         if not attn.positive:
             rows = tuple(jnp.swapaxes(r, 1, 2) for r in attn.denominator_rows(q, k, mask, causal, ctx))
     else:
-        out = attn(q, k, v, mask=mask, causal=causal)
+        out = attn(q, k, v, mask=mask, causal=causal, **docs)
     diff = jnp.sum(jnp.square(out.astype(jnp.float32) - exact.astype(jnp.float32)), -1)
     return diff, rv, rows
 
@@ -183,14 +186,15 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
             node = captured
             for p in path:
                 node = node[p]
-            x, mask, positions, _ = node["transfer"].get_value()[0]
+            x, mask, positions, segment_ids, _ = node["transfer"].get_value()[0]
             length = x.shape[1]
             q, k, v = layer.project(x, positions)
             tokens = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask, bool)
             if "valid" in batch:
                 tokens = tokens & jnp.asarray(batch["valid"], bool)[:, None]
             w = np.asarray(tokens, np.float64)[:, :, None]                                  # [B, L, 1]
-            exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=layer.causal)
+            docs = {} if segment_ids is None else {"segment_ids": segment_ids}
+            exact = attention_lib.get("softmax")(q, k, v, mask=mask, causal=layer.causal, **docs)
             ref2[li] += np.sum(np.square(np.asarray(exact, np.float64)).sum(-1) * w, (0, 1))
             s = layer.head_dim ** -0.25
             norm = lambda t: np.linalg.norm(np.asarray(t, np.float64) * s, axis=-1)         # [B, L, H]
@@ -202,7 +206,7 @@ def inspect(workdir, kinds=DEFAULT_KINDS, num_features=(None,), batches=4, seed=
             key = jax.random.fold_in(jax.random.fold_in(base, li), seen)
             for label, attn in built:
                 stored = layer.features.get_value() if label in own and layer.features is not None else None
-                diff, rv, rows = _kind_figures(attn, layer.causal, q, k, v, mask, key, stored)
+                diff, rv, rows = _kind_figures(attn, layer.causal, q, k, v, mask, key, stored, segment_ids)
                 err2[label][li] += np.sum(np.asarray(diff, np.float64) * w, (0, 1))
                 if rows is not None:
                     nonpositive[label][li] += np.sum(np.asarray(rows[0], np.float64) * w, (0, 1))
