@@ -337,6 +337,8 @@ def validate(config) -> None:
             raise ConfigError(f"{key}.name", name, f"must be one of {', '.join(package.names())}")
         try:
             package.check(config[key])          # option names (values: the source or task checks them)
+        except ConfigError:
+            raise
         except ValueError as e:
             raise ConfigError(key, dict(config[key]), str(e)) from None
 

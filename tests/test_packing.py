@@ -237,3 +237,17 @@ def test_tasks_pass_the_document_keys_only_when_the_batch_has_them():
         assert model.calls[-1]["positions"] is docs["positions"]
         task.eval_outputs(model, {**batch, **docs, "valid": jnp.ones(b, bool)})
         assert model.calls[-1]["segment_ids"] is docs["segment_ids"]
+
+
+def test_train_py_names_a_bad_packing_in_one_line(tmp_path):
+    """A bad data.packing stops train.py before anything is read or written: one line, exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "train.py", "--config", "configs/decoder_lm.py:runlocal", "--workdir",
+                           str(tmp_path / "run"), "--config.data.packing=doc"], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "error: config.data.packing='doc': must be one of 'documents', 'stream'"
+    assert not (tmp_path / "run").exists()

@@ -131,6 +131,8 @@ class PackedText(IndexedSource):
     """A text builder's splits tokenized into packed token streams (what both text objectives read):
     the tokenizer, `tokens[split]`, and rows of `width` tokens."""
 
+    PACKING = PACKING          # what favor.data.check accepts for `packing`, before anything is built
+
     OPTIONS = {"dataset": "wikipedia/20230601.en", "text_field": "text", "train_split": "train[:99%]",
                "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "", "vocab_size": 32000,
                "tokenizer_sample": 200_000, "max_length": 512, "max_documents": 0, "max_eval_rows": 2048,
