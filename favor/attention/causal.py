@@ -67,16 +67,23 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     (here `jensen_floor(..., causal=True)`: prefix sums, causal too). Packed documents:
     favor.attention.documents.causal_maps.
     """
+    x, drop = aligned_queries(x, y, path)
+    out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, chunk_size, path, span)
+    return ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
+
+
+def aligned_queries(x, y, path):
+    """(x padded at the front to the keys' length, the rows to drop after): queries i ↦ key position
+    i + Lk − Lq, the front rows computed and dropped; an unknown path or Lq > Lk is a ValueError."""
     if path not in PATHS:
         raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
     l_q, l_k = seq_length(x), seq_length(y)
     if l_q > l_k:
         raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
                          f"got Lq = {l_q}, Lk = {l_k}")
-    if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
+    if l_q < l_k:
         x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
-    out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, chunk_size, path, span)
-    return ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
+    return x, l_k - l_q
 
 
 @jit_when_eager("positive", "chunk_size")

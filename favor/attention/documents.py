@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.attention.causal import (CAUSAL_CHUNK, EXACT_BLOCK, FAST_EXCEEDANCE, PATHS, _span, _unit,
-                                    document_prefix)
+                                    aligned_queries, document_prefix)
 from favor.attention.floor import ratio
 from favor.attention.linear import (F32, NEG_INF, NO_RUN, _in_chunks, _row_scaled, _valid_chunks, _with_sign, combine,
                                     finite_or, ones_column, segmented, seq_length, sg)
@@ -341,13 +341,6 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid, runs, positive=True, ch
                 span=None, floor=None):
     """favor.attention.causal.causal_maps over packed documents (`runs` [B, Lk]): each query sees the keys
     ≤ it of its own document; queries aligned to the last keys (Lq ≤ Lk)."""
-    if path not in PATHS:
-        raise ValueError(f"unknown causal path {path!r}; valid: {', '.join(PATHS)}")
-    l_q, l_k = seq_length(x), seq_length(y)
-    if l_q > l_k:
-        raise ValueError(f"causal attention aligns queries to the last keys and needs Lq ≤ Lk; "
-                         f"got Lq = {l_q}, Lk = {l_k}")
-    if l_q < l_k:   # queries i ↦ key position i + Lk − Lq; the front rows are computed and dropped
-        x = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (l_k - l_q, 0), (0, 0))), x)
+    x, drop = aligned_queries(x, y, path)
     out, scale = causal_sums(query_map, key_map, ctx, x, y, ones_column(v), valid, runs, runs, chunk_size, path, span)
-    return ratio(out[:, :, l_k - l_q:], positive, scale[:, :, l_k - l_q:], floor)
+    return ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
