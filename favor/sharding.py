@@ -11,6 +11,7 @@ every layout.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping
 
@@ -113,6 +114,7 @@ def batch_sharding(mesh):
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+@functools.lru_cache(maxsize=64)      # read for every batch and key: one computation per mesh and length
 def process_rows(mesh, length: int) -> slice:
     """The rows of a global batch of `length` that this process's devices hold under batch_sharding: an
     equal share per process while the batch axes span the processes, the same rows for the processes a

@@ -47,8 +47,9 @@ class Mixture(IndexedSource):
         # every host checks the same first rows, so all of them agree on a mismatch (a per-batch check
         # would fire only on the hosts whose slice holds rows of both)
         first = lambda s: s.read("train", np.zeros(1, int), np.zeros(1, int), [np.random.default_rng(0)])
-        self.documents = all(k in first(main) for k in DOCUMENT_KEYS)
-        _check_alike([(names[0], first(main)), (names[1], self._extra_rows(first(extra)))])
+        head = first(main)
+        self.documents = all(k in head for k in DOCUMENT_KEYS)
+        _check_alike([(names[0], head), (names[1], self._extra_rows(first(extra)))])
 
     def _extra_rows(self, batch):
         """The mixed-in rows, each one document where the main source packs documents and this one has no
