@@ -29,24 +29,32 @@ ROWS = ((5, 17, 1, 30), (35, 13))
 WINDOW = 3
 CHUNK = 8                   # chunks of 8 over L = 53: documents start and end inside chunks
 
-# (kind, options): every kind, each with a window of 3, and the window's learned mix
+# the kinds the fused kernel runs (Pallas, interpret mode here)
+FUSED = [k for k in RF_KINDS if "impl" in attention.get(k).OPTIONS and not attention.get(k).fused_unavailable()]
+
+# (kind, options): every kind, each with a window of 3, the window's learned mix, and each fused kind on
+# the kernel
 CASES = ([("softmax", ()), ("softmax", (("window", WINDOW),))]
          + [(k, w) for k in LINEAR for w in ((), (("window", WINDOW),))]
-         + [("favor+", (("window", WINDOW), ("window_mix", "learned")))])
+         + [("favor+", (("window", WINDOW), ("window_mix", "learned")))]
+         + [(k, (("impl", "pallas"),)) for k in FUSED])
 
 
 def case_id(case):
     kind, opts = case
     o = dict(opts)
     learned = "-learned" if o.get("window_mix") == "learned" else ""
-    return kind + (f"@{o['window']}" if o.get("window") else "") + learned
+    pallas = "-pallas" if o.get("impl") == "pallas" else ""
+    return kind + (f"@{o['window']}" if o.get("window") else "") + learned + pallas
 
 
 # one case per code path of the passes (the tests beyond the reference take these): softmax and its band;
 # features with exact zeros (ReLU: the plain causal pass); signed and row-scaled with the floor (trig, HRF);
-# positive exponential (FAVOR+), fitted (FAVOR#), learned (Hedgehog); each window form and the learned mix
+# positive exponential (FAVOR+), fitted (FAVOR#), learned (Hedgehog); each window form and the learned mix;
+# the fused kernel's document passes (FAVOR+ on the kernel)
 FORMS = [c for c in CASES if case_id(c) in ("softmax", "softmax@3", "relu", "relu@3", "favor", "favor@3", "favor+",
-                                              "favor+@3", "favor#", "hrf", "hedgehog", "favor+@3-learned")]
+                                              "favor+@3", "favor#", "hrf", "hedgehog", "favor+@3-learned",
+                                              "favor+-pallas")]
 LINEAR_FORMS = [c for c in FORMS if c[0] != "softmax"]
 # the reference tests: every kind, and the window's forms (each form of the band and of its off-band pass
 # once: the band is the same code for every kind)
@@ -697,25 +705,7 @@ def test_bad_segment_ids_are_errors_naming_them(kind):
         assert words in str(e.value) and "segment_ids" in str(e.value), str(e.value)
 
 
-# -- 7. the fused kernel ----------------------------------------------------------------------------
-FUSED = [k for k in RF_KINDS if "impl" in attention.get(k).OPTIONS and not attention.get(k).fused_unavailable()]
-
-
-@pytest.mark.parametrize("kind", FUSED)
-def test_the_fused_kernel_refuses_documents_in_one_line(kind):
-    """impl='pallas' does not take segment_ids (its state does not restart at documents): a call with them,
-    either mode, is a one-line ValueError naming segment_ids and the implementations that run them;
-    nothing is computed on a wrong mask."""
-    attn = make((kind, (("impl", "pallas"),)))
-    q, k, v = qkv(seed=1)
-    for causal in (False, True):
-        with pytest.raises(ValueError) as e:
-            attn(q, k, v, mask=MASK, causal=causal, rng=RNG, stats=stats_of(attn), segment_ids=SEG)
-        message = str(e.value)
-        assert "\n" not in message and "segment_ids" in message and "'pallas'" in message, message
-        assert "impl='auto' or 'xla'" in message, message
-
-
+# -- 7. the fused kernel's prefill ------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["favor+", "favor++"])
 def test_the_fused_prefill_keeps_the_last_document(kind):
     """decode_prefill on the fused kernel (interpret mode) with segment_ids: the XLA prefill's state, and

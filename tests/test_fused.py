@@ -3,6 +3,8 @@ reference (tests/reference.py) and to favor's XLA passes, outputs and gradients,
 are not a multiple of the chunk, widths that are not powers of two, bf16, norms up to 10·√D, L = 1; the
 future never moves the past, bit for bit; the prefill state equals XLA's."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 
 import reference
 from favor import attention
-from favor.attention import fused, kinds
+from favor.attention import documents, fused, kinds
 from test_attention import calibration_stats, check_against_reference, qkv
 
 # every mechanism the kernel covers: the four kinds and FAVOR#'s variants, antithetic and importance-
@@ -409,14 +411,17 @@ def _log_linear_case(seed, b=1, h=2, l=120, d=4, f=24, dv=3, growth=3.0):
     return xq, rq, p, c, xk, rk, p, c, v, mask
 
 
-def _attend64(xq, rq, pq, cq, xk, rk, pk, ck, v, mask, causal):
-    """float64 attention over weights Σ_f exp(l_q(i, f) + l_k(j, f)), written here."""
+def _attend64(xq, rq, pq, cq, xk, rk, pk, ck, v, mask, causal, docs=None):
+    """float64 attention over weights Σ_f exp(l_q(i, f) + l_k(j, f)), written here; `docs` [B, L]: each
+    position's document id, pairs across documents carrying no weight."""
     lq = np.einsum("bhld,hdf->bhlf", xq, pq) + cq[None, :, None] + rq[..., None]
     lk = np.einsum("bhld,hdf->bhlf", xk, pk) + ck[None, :, None] + rk[..., None]
     lt = lq[:, :, :, None, :] + lk[:, :, None, :, :]
     top = np.max(lt, axis=-1, keepdims=True)
     logit = (top + np.log(np.sum(np.exp(lt - top), -1, keepdims=True)))[..., 0]        # [B, H, Lq, Lk]
     keep = mask[:, None, None, :] & (np.tril(np.ones(logit.shape[2:], bool)) if causal else True)
+    if docs is not None:
+        keep = keep & (docs[:, None, :, None] == docs[:, None, None, :])
     logit = np.where(keep, logit, -np.inf)
     m = np.max(logit, -1, keepdims=True)
     wts = np.where(keep, np.exp(logit - np.where(np.isfinite(m), m, 0.0)), 0.0)
@@ -520,6 +525,102 @@ def test_segments_keep_the_future_from_the_past_bit_for_bit():
             np.testing.assert_array_equal(np.asarray(a)[:, :, :t], np.asarray(b)[:, :, :t])
 
 
+# Documents for the kernel tests: row 0 starts documents at 0 (inside the leading 40 padded keys), 16
+# (a chunk's start), 37, 38 (one token), 64 (a chunk's start) and 70; row 1 at 0, 50 and 100, and ends
+# with 10 more padded keys (chunks of 16 over L = 120)
+DOC_STARTS = ((0, 16, 37, 38, 64, 70), (0, 50, 100))
+
+
+def _doc_case(seed):
+    args = list(_log_linear_case(seed, b=2, growth=2.0))
+    l = args[0].shape[2]
+    docs = np.zeros((2, l), np.int64)
+    for b, starts in enumerate(DOC_STARTS):
+        for i, s in enumerate(starts):
+            docs[b, s:] = i
+    args[9] = args[9].copy()
+    args[9][1, 110:] = False
+    return args, docs
+
+
+def _attend_docs32(args, causal, docs):
+    xq, rq, pq, cq, xk, rk, pk, ck, v, mask = args
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    cut = (CHUNK16, *fused.tuning(True, fused.PRECISION)[1:])
+    return fused.attend(f32(xq), f32(rq), f32(pq), f32(cq), f32(xk), f32(rk), f32(pk), f32(ck), f32(v),
+                        jnp.asarray(mask), causal, cut=cut, runs=documents.runs(jnp.asarray(docs, jnp.int32)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_documents_equal_the_float64_reference_outputs_and_gradients(causal):
+    """The document kernels (runs; chunks of 16 over L = 120, documents starting inside chunks and at their
+    starts, one of one token, one wholly in padding, padding inside and after documents): the float64
+    reference with the document mask, and d/d(x_q, x_k, r_k, v) of Σ w·out against its central
+    differences (ε = 1e-6, random directions); d/dr_q, 0 in exact arithmetic, rounding beside the others.
+    Bidirectional runs the causal pass and the reversed one over shifted keys: both are checked here."""
+    args, docs = _doc_case(30)
+    want = _attend64(*args, causal, docs)
+    w = np.random.default_rng(31).standard_normal(want.shape)
+    which = (0, 1, 4, 5, 8)
+
+    def loss32(xq, rq, xk, rk, v):
+        out, exceeded = _attend_docs32((xq, rq, args[2], args[3], xk, rk, args[6], args[7], v, args[9]), causal,
+                                       docs)
+        return jnp.sum(jnp.asarray(w, jnp.float32) * out), (out, exceeded)
+
+    (_, (out, exceeded)), grads = jax.jit(jax.value_and_grad(loss32, tuple(range(5)), has_aux=True))(
+        *(jnp.asarray(args[i], jnp.float32) for i in which))
+    assert not bool(jnp.any(exceeded))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.max(np.abs(want)))
+    rng = np.random.default_rng(32)
+    assert np.max(np.abs(np.asarray(grads[1]))) <= 1e-5 * np.max(np.abs(np.asarray(grads[0])))
+    for g, i in [(g, i) for g, i in zip(grads, which) if i != 1]:
+        direction = rng.standard_normal(args[i].shape)
+        moved = lambda e: float(np.sum(w * _attend64(*[a + e * direction if j == i else a
+                                                        for j, a in enumerate(args)], causal, docs)))
+        fd = (moved(1e-6) - moved(-1e-6)) / 2e-6
+        got = float(np.sum(np.asarray(g, np.float64) * direction))
+        assert abs(got - fd) <= 2e-4 * (abs(fd) + np.linalg.norm(np.asarray(g)) * 1e-2), (causal, i, got, fd)
+
+
+def test_documents_keep_the_future_and_other_documents_out_bit_for_bit():
+    """The causal document kernels: tokens from t on replaced (t inside a document inside a chunk, at a
+    chunk's start inside a document, at a document's start at a chunk's start, at the one-token document)
+    leave outputs before t and the gradients reaching inputs before t unchanged bit for bit; bidirectional,
+    a document replaced leaves every other document's outputs unchanged bit for bit."""
+    args, docs = _doc_case(33)
+    other, _ = _doc_case(34)
+    l = args[0].shape[2]
+    w = jnp.asarray(np.random.default_rng(35).standard_normal((2, 2, l, 3)), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnums=6)
+    def run(xq, rq, xk, rk, v, t, causal):
+        def loss(xq, rq, xk, rk, v):
+            out = _attend_docs32((xq, rq, args[2], args[3], xk, rk, args[6], args[7], v, args[9]), causal, docs)[0]
+            return jnp.sum(jnp.where(jnp.arange(l)[:, None] < t, w, 0.0) * out), out
+        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True)(xq, rq, xk, rk, v)
+        return out, grads
+
+    pick = lambda a: [jnp.asarray(a[i], jnp.float32) for i in (0, 1, 4, 5, 8)]
+    for t in (20, 32, 38, 64, 90):
+        mixed = [a.copy() for a in args]
+        for i in (0, 1, 4, 5, 8):
+            mixed[i][:, :, t:] = other[i][:, :, t:]
+        (o1, g1), (o2, g2) = run(*pick(args), t, True), run(*pick(mixed), t, True)
+        np.testing.assert_array_equal(np.asarray(o1)[:, :, :t], np.asarray(o2)[:, :, :t], err_msg=f"t={t}")
+        for a, b in zip(g1, g2):
+            np.testing.assert_array_equal(np.asarray(a)[:, :, :t], np.asarray(b)[:, :, :t], err_msg=f"t={t}")
+    o1 = run(*pick(args), 0, False)[0]
+    for s, e in ((16, 37), (38, 39), (64, 70)):
+        mixed = [a.copy() for a in args]
+        for i in (0, 1, 4, 5, 8):
+            mixed[i][0, :, s:e] = other[i][0, :, s:e]
+        o2 = np.asarray(run(*pick(mixed), 0, False)[0])
+        keep = np.ones(l, bool)
+        keep[s:e] = False
+        np.testing.assert_array_equal(np.asarray(o1)[:, :, keep], o2[:, :, keep], err_msg=f"document [{s}, {e})")
+
+
 def test_segment_count():
     """The largest divisor of the chunk count up to what fills SEGMENT_PROGRAMS programs, at most
     MAX_SEGMENTS; a call with enough programs is not split."""
@@ -547,6 +648,12 @@ def test_kernels_lower_for_gpus(causal):
                                                       interpret=False, segments=segments, precision=precision)[0])
         text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, x, v).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text.lower()
+    # the document kernels (runs), both modes
+    runs = jnp.asarray(np.repeat(np.arange(4), l // 4)[None], jnp.int32)
+    loss = lambda xq, xk, v: jnp.sum(fused.attend(xq, r, p, c, xk, r, p, c, v, jnp.ones((b, l), bool), causal,
+                                                  interpret=False, runs=runs)[0])
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, x, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
     for precision in fused.PRECISIONS:
         jax.jit(lambda xk, v: fused.prefill(xk, r, p, c, v, None, interpret=False, precision=precision)).trace(
             x, v).lower(lowering_platforms=("cuda",))

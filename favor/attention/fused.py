@@ -31,6 +31,9 @@ reference ρ the forward pass used, each factor ≤ 1 (≤ e^EXCEEDANCE for a ca
 fitted parameters and the draw get no gradient here (P and c are constants of the call: the caller
 refuses fit_gradients=True).
 
+Packed documents (`attend(..., runs=)`): kernels of their own (the section "packed documents" below), so a
+call without documents runs exactly the kernels above.
+
 On CPU the kernels run in Pallas interpret mode (what the tests check); on GPU they lower through
 Triton, with float32-level products on the tensor cores by default (PRECISION, PRECISIONS).
 """
@@ -41,9 +44,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
-from favor.attention import causal as causal_lib, linear
+from favor.attention import causal as causal_lib, documents, linear
 
 F32 = jnp.float32
 # where the kernels run: GPUs through Triton, CPUs in Pallas interpret mode (a TPU needs a Mosaic lowering
@@ -582,6 +586,241 @@ def _core_bwd(causal, c, fb, segs, interpret, launch, precision, residuals, cota
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+# -- packed documents ------------------------------------------------------------------------------
+# With segment ids (favor.attention.documents: a document is a run of equal consecutive ids) the causal
+# kernels take each token's run, queries' and keys' apart (`qrun`, `krun`: the bidirectional call's
+# reversed pass shifts keys against queries). A query sees the keys ≤ it of its own run. The carry is the
+# state of the document of the last key slot before the chunk (its run `crun`, its maximum τ, LOW while it
+# has no valid key), read only by the chunk's queries of that run, and restarted where the chunk's last
+# slot belongs to another document. Every stabiliser is a document's own: a key's reference is the carried
+# τ while its document is the carried one, else its document's first valid key in the chunk (every query
+# that sees a key of its document in the chunk sees that one), so a document of small logits after one of
+# large logits keeps its digits. a_j, α_i and the exceedance bound are then as in the kernels above.
+# One segment per call (a fold of the segments' carries across documents is not written): these kernels
+# walk the whole sequence, and favor calls them only with impl='pallas'.
+def _at(x, k):
+    """x[k] of a loaded vector, as a reduction (the kernel languages extract no scalar from a vector)."""
+    return jnp.sum(jnp.where(_iota(x.shape[0]) == k, x, jnp.zeros_like(x)))
+
+
+def _doc_terms(lq, lk, val, qrun, krun, carry, real):
+    """The chunk's factors with documents, given the carry (seen, τ, crun): a_j, β_i, fq, fk, w as in
+    `_causal_terms` on each row's own reference, the mask (j ≤ i, one run), which queries read the carry,
+    and the keys' references kref [c, F]."""
+    seen, tau, crun = carry
+    c = lk.shape[0]
+    idx = _iota(c)
+    carried = seen > 0
+    lk0 = jnp.where(val[:, None], lk, 0.0)
+
+    def refs(runs):
+        first = jnp.min(jnp.where((runs[:, None] == krun[None, :]) & val[None, :], idx[None, :], c), axis=1)
+        own = _dot(jnp.where(idx[None, :] == first[:, None], 1.0, 0.0), lk0)      # zeros: no key of the run here
+        return jnp.where((carried & (runs == crun))[:, None], tau[None, :], own)
+
+    kref, qref = refs(krun), refs(qrun)
+    a = jnp.where(val, jnp.max(jnp.where(real[None, :], lk - kref, LOW), axis=1), LOW)
+    beta = jnp.max(lq + qref, axis=1)
+    fk = jnp.where(val[:, None] & real[None, :], jnp.exp(lk - kref - a[:, None]), 0.0)
+    fq = jnp.exp(lq + qref - beta[:, None])
+    w = jnp.where(val, jnp.exp(jnp.minimum(a, EXCEEDANCE)), 0.0)
+    mask = (idx[:, None] >= idx[None, :]) & (qrun[:, None] == krun[None, :])
+    return a, beta, fq, fk, w, mask, carried & (qrun == crun), kref
+
+
+def _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w):
+    """The carry after the chunk: the state of its last slot's document, on that document's running maximum
+    (the carried state continued if it is the carried document, else restarted from the chunk's keys)."""
+    seen, _, crun = carry
+    c = lk.shape[0]
+    last = _at(krun, c - 1)
+    cont = (seen > 0) & (crun == last)
+    mine = (krun == last) & val
+    ref = jnp.sum(jnp.where((_iota(c) == c - 1)[:, None], kref, 0.0), axis=0)
+    new = jnp.maximum(ref, jnp.max(jnp.where(mine[:, None], lk, LOW), axis=0))
+    keep = jnp.exp(ref - new)
+    mk = jnp.where(mine[:, None], fk, 0.0)
+    t = (jnp.where(cont, t, 0.0) + _dot(mk, wv, ta=True)) * keep[:, None]
+    z = (jnp.where(cont, z, 0.0) + jnp.sum(mk * w[:, None], axis=0)) * keep
+    seen = jnp.maximum(jnp.where(cont, seen, 0.0), jnp.max(jnp.where(mine, 1.0, 0.0)))
+    return (seen, jnp.where(seen > 0, new, LOW), last), t, z
+
+
+def _doc_chunk_inputs(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, rows, pq, cq, pk, ck):
+    val = val_ref[rows] > 0
+    lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
+    lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+    return val, lq, lk, _load(v_ref, rows), qrun_ref[rows], krun_ref[rows]
+
+
+def _doc_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
+                    ck_ref, o_ref, lden_ref, tau_ref, amax_ref, *, c):
+    """`_causal_fwd_kernel` with documents; tau_ref [N, F] keeps the τ entering each chunk (LOW: the carried
+    document has no valid key yet), which with the runs gives the backward pass every reference."""
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    real = ck > 0.5 * PAD_FEATURE
+    ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref)
+
+    def body(i, state):
+        carry, t, z, amax = state
+        rows = _rows(i, c)
+        val, lq, lk, v, qrun, krun = _doc_chunk_inputs(*ins, rows, pq, cq, pk, ck)
+        a, beta, fq, fk, w, mask, reads, kref = _doc_terms(lq, lk, val, qrun, krun, carry, real)
+        alpha = jnp.max(jnp.where(mask, a[None, :], LOW), axis=1)
+        alpha = jnp.where(reads, jnp.maximum(alpha, 0.0), alpha)
+        has = alpha > 0.5 * LOW
+        scale = jnp.exp(-jnp.where(has, alpha, 0.0))
+        wv = v * w[:, None]
+        s = jnp.where(mask, _dot(fq, fk, tb=True), 0.0)
+        fc = jnp.where(reads[:, None], fq, 0.0)
+        num = (_dot(fc, t) + _dot(s, wv)) * scale[:, None]
+        den = (jnp.sum(fc * z[None, :], axis=1) + jnp.sum(s * w[None, :], axis=1)) * scale
+        o_ref[rows, :] = (num / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
+        lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + beta, LOW)
+        tau_ref[i, :] = carry[1]
+        carry, t, z = _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w)
+        return carry, t, z, jnp.maximum(amax, a)
+
+    f, dv = pk.shape[1], v_ref.shape[1]
+    start = (jnp.float32(0.0), jnp.full((f,), LOW, F32), jnp.int32(linear.NO_RUN))
+    init = (start, jnp.zeros((f, dv), F32), jnp.zeros((f,), F32), jnp.full((c,), LOW, F32))
+    *_, amax = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
+    amax_ref[...] = amax
+
+
+def _doc_chunk(ins, pq, cq, pk, ck, i, c, crun):
+    """What both backward sweeps read of chunk i with documents: the forward pass's factors (its entering
+    carry from tau_ref and `crun`), r_i = exp(β_i − log den_i), g and δ_i = g_i·o_i − ∂/∂log den_i (the
+    bidirectional call combines two passes by their log-denominators, which therefore get cotangents)."""
+    xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref = ins
+    rows = _rows(i, c)
+    val, lq, lk, v, qrun, krun = _doc_chunk_inputs(*ins[:8], rows, pq, cq, pk, ck)
+    tau = tau_ref[i, :]
+    carry = (jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, crun)
+    a, beta, fq, fk, w, mask, reads, kref = _doc_terms(lq, lk, val, qrun, krun, carry, ck > 0.5 * PAD_FEATURE)
+    lden = _load(lden_ref, rows)
+    r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
+    g = _load(g_ref, rows)
+    delta = jnp.sum(g * _load(o_ref, rows), axis=1) - _load(gl_ref, rows)
+    return rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta
+
+
+def _doc_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
+                   ck_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxq_ref, drq_ref, *, c):
+    """∂l_q in sequence order, the carried state rebuilt as the forward pass built it."""
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
+
+    def body(i, state):
+        crun, t, z = state
+        rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta = _doc_chunk(
+            ins, pq, cq, pk, ck, i, c, crun)
+        wv = v * w[:, None]
+        m = jnp.where(mask, _dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
+        held = jnp.where(reads[:, None], _dot(g, t, tb=True) - delta[:, None] * z[None, :], 0.0)
+        dlq = fq * r[:, None] * (held + _dot(m, fk))
+        dxq_ref[rows, :] = _dot(dlq, pq, tb=True)
+        drq_ref[rows] = jnp.sum(dlq, axis=1)
+        (_, _, crun), t, z = _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w)
+        return crun, t, z
+
+    f, dv = pk.shape[1], v_ref.shape[1]
+    init = (jnp.int32(linear.NO_RUN), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
+    jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
+
+
+def _doc_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
+                   ck_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxk_ref, drk_ref, dv_ref, *, c):
+    """∂l_k and ∂v in reverse. Entering chunk i, U = Σ exp(l_q(i') + ρ − log den_i')[g_i', −δ_i'] over the
+    queries of later chunks in the document of chunk i's last slot, on ρ = the τ entering chunk i + 1 (that
+    document's maximum through chunk i, which bounds its keys here); only that document's keys read it."""
+    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
+    n = _chunks(val_ref, c)
+
+    def body(step, state):
+        ug, ud = state
+        i = n - 1 - step
+        # the run of the previous chunk's last slot: the document carried into this chunk
+        crun = jnp.where(i > 0, _at(krun_ref[_rows(jnp.maximum(i - 1, 0), c)], c - 1), linear.NO_RUN)
+        rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta = _doc_chunk(
+            ins, pq, cq, pk, ck, i, c, crun)
+        rho = jnp.where(i + 1 < n, tau_ref[jnp.minimum(i + 1, n - 1), :], 0.0)
+        last = _at(krun, c - 1)
+        later = (krun == last) & val
+        ek = jnp.where(later[:, None], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
+        fr = fq * r[:, None]
+        b = jnp.where(mask, _dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
+        s = jnp.where(mask, _dot(fq, fk, tb=True), 0.0)
+        dlk = ek * (_dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * _dot(b, fr, ta=True)
+        dv_ref[rows, :] = (_dot(ek, ug) + w[:, None] * _dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
+        dxk_ref[rows, :] = _dot(dlk, pk, tb=True)
+        drk_ref[rows] = jnp.sum(dlk, axis=1)
+        # for chunk i − 1's keys: the queries here of the document carried into this chunk (on its entering τ),
+        # and the later ones if that document spans this whole chunk
+        keep = jnp.where(crun == last, jnp.exp(jnp.minimum(carry[1] - rho, 0.0)), 0.0)
+        fc = jnp.where(reads[:, None], fr, 0.0)
+        return (ug * keep[:, None] + _dot(fc, g, ta=True), ud * keep - jnp.sum(fc * delta[:, None], axis=0))
+
+    f, dv = pk.shape[1], v_ref.shape[1]
+    jax.lax.fori_loop(0, n, body, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+
+
+def _doc_inputs(ops):
+    xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck = ops
+    return [(xq, "rows"), (rq, "rows"), (xk, "rows"), (rk, "rows"), (v, "rows"), (val, "valid"), (qrun, "valid"),
+            (krun, "valid"), (pq, "proj"), (cq, "const"), (pk, "proj"), (ck, "const")]
+
+
+def _doc_forward(ops, c, fb, interpret, launch, precision):
+    b, h, l, _ = ops[0].shape
+    dv, f = ops[4].shape[-1], ops[8].shape[-1]
+    g = f // fb
+    outs = [((b, h, g, l, dv), "block"), ((b, h, g, l), "block"), ((b, h, l // c, f), "chunk_feat"),
+            ((b, h, g, c), "block")]
+    o, lden, taus, amax = _call(_doc_fwd_kernel, _doc_inputs(ops), outs, (b, h, g, 1), fb, interpret, launch,
+                                precision, c=c)
+    out, lden = _combine(o, lden)
+    return out, lden, taus, jnp.max(amax, axis=(2, 3))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13, 14, 15, 16))
+def _doc_core(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, c, fb, interpret, launch, precision):
+    """(out, log-denominator, largest a_j) of a causal call with documents (one segment)."""
+    out, lden, _, amax = _doc_forward((xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck), c, fb, interpret,
+                                      launch, precision)
+    return out, lden, amax
+
+
+def _doc_core_fwd(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, c, fb, interpret, launch, precision):
+    ops = (xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck)
+    out, lden, taus, amax = _doc_forward(ops, c, fb, interpret, launch, precision)
+    return (out, lden, amax), (ops, out, lden, taus)
+
+
+def _doc_core_bwd(c, fb, interpret, launch, precision, residuals, cotangents):
+    ops, out, lden, taus = residuals
+    g, gl = cotangents[0].astype(F32), cotangents[1].astype(F32)
+    xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck = ops
+    b, h, l, dq = xq.shape
+    dk, dv, f = xk.shape[3], v.shape[-1], pq.shape[-1]
+    nb = f // fb
+    inputs = _doc_inputs(ops) + [(out, "rows"), (g, "rows"), (gl, "rows"), (lden, "rows"), (taus, "chunk_feat")]
+    call = functools.partial(_call, inputs=inputs, grid=(b, h, nb, 1), fb=fb, interpret=interpret, launch=launch,
+                             precision=precision, c=c)
+    dxq, drq = call(_doc_dq_kernel, outs=[((b, h, nb, l, dq), "block"), ((b, h, nb, l), "block")])
+    dxk, drk, dvv = call(_doc_dk_kernel, outs=[((b, h, nb, l, dk), "block"), ((b, h, nb, l), "block"),
+                                               ((b, h, nb, l, dv), "block")])
+    dxq, drq, dxk, drk, dvv = (jnp.sum(p, axis=2) for p in (dxq, drq, dxk, drk, dvv))
+    zero = lambda a: jnp.zeros_like(a)
+    none = lambda a: np.zeros(a.shape, jax.dtypes.float0)       # integer inputs (the runs) take no cotangent
+    return (dxq.astype(xq.dtype), drq, dxk.astype(xk.dtype), drk, dvv.astype(v.dtype), zero(val), none(qrun),
+            none(krun), zero(pq), zero(cq), zero(pk), zero(ck))
+
+
+_doc_core.defvjp(_doc_core_fwd, _doc_core_bwd)
+
+
 def _feature_width(f, block):
     """F padded for the kernel: a power of two up to one feature block, whole blocks beyond (F = 130 runs
     as 192 with blocks of 64, not 256)."""
@@ -639,7 +878,7 @@ def _precision(precision):
 
 
 def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpret=None, precision=None,
-           segments=None, cut=None):
+           segments=None, cut=None, runs=None):
     """Linear attention over log φ_q = xq·pq + cq + rq and log φ_k = xk·pk + ck + rk with the fused
     kernels: xq [B, H, Lq, D], rq [B, H, Lq], xk, rk likewise over Lk, pq/pk [.., D, F] and cq/ck [.., F]
     with leading (batch, head) dims broadcast from the right, v [B, H, Lk, Dv], valid [B, Lk] or None.
@@ -648,15 +887,19 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU.
     `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION). `segments`: the
     most segments a sequence is split into (None: enough for SEGMENT_PROGRAMS programs). `cut`: (chunk,
-    feature block, warps, stages) instead of the mode's and precision's TUNING entry (`bench tune`)."""
+    feature block, warps, stages) instead of the mode's and precision's TUNING entry (`bench tune`).
+    `runs` [B, L] int32 (favor.attention.documents.runs; Lq = Lk): packed documents, each query seeing
+    only the keys of its own run (the document kernels: one segment, `segments` unused)."""
     precision = _precision(precision)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if runs is not None:
+        return _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, bool(interpret), precision, cut)
     chunk, block, *launch = cut or tuning(causal, precision)
     b, h, lq, _ = xq.shape
     lk, dv = xk.shape[2], v.shape[-1]
     if causal and lq != lk:
         raise ValueError(f"the fused causal kernel needs Lq = Lk; got {lq} and {lk}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     f = pq.shape[-1]
     fp = _feature_width(f, block)
     c = min(_pow2(chunk), _pow2(max(lq, lk)))
@@ -674,6 +917,61 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     segs = (sk, sk) if causal else (_segments(lqp // c, programs, segments), sk)
     out, amax = _core(*ops, causal, c, fb, segs, bool(interpret), tuple(launch), precision)
     return out[:, :, :lq, :dv], amax > EXCEEDANCE
+
+
+def _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, interpret, precision, cut):
+    """`attend` with documents. Causal: one pass of the document kernels. Bidirectional: that pass and the
+    pass over the reversed sequence with its keys shifted by one slot (so each query sees the keys after
+    it), combined by their log-denominators: what favor.attention.documents does on XLA, as a state per
+    document would need the documents' count, which only the data knows."""
+    chunk, block, *launch = cut or tuning(True, precision)
+    b, h, l, _ = xq.shape
+    dv = v.shape[-1]
+    if xk.shape[2] != l or runs.shape != (b, l):
+        raise ValueError(f"the fused kernel with documents needs Lq = Lk and runs [B, L] = {(b, l)}; got Lq = "
+                         f"{l}, Lk = {xk.shape[2]}, runs {tuple(runs.shape)}")
+    runs = jnp.asarray(runs, jnp.int32)
+    valid = jnp.ones((b, l), bool) if valid is None else jnp.asarray(valid, bool)
+    fp = _feature_width(pq.shape[-1], block)
+    c = min(_pow2(chunk), _pow2(l))
+    lp = -(-l // c) * c
+    fb = min(block, fp)
+
+    one = functools.partial(_doc_pass, pq=pq, cq=cq, pk=pk, ck=ck, cut=(c, fp, fb, tuple(launch)),
+                            interpret=interpret, precision=precision)
+    out, lden, amax = one(xq, rq, xk, rk, v, valid, runs, runs)
+    if causal:
+        return out, amax > EXCEEDANCE
+    flip = lambda a, axis=2: jnp.flip(a, axis=axis)
+    # slot j of the reversed pass holds reversed key j − 1 (slot 0 no key): causal j ≤ i is then "after i"
+    shift = lambda a, axis=2: jax.lax.slice_in_dim(_pad_front(a, axis), 0, l, axis=axis)
+    back = documents.reversed_runs(runs)
+    out2, lden2, amax2 = one(flip(xq), flip(rq), shift(flip(xk)), shift(flip(rk)), shift(flip(v)),
+                             shift(flip(valid, 1), 1), back, documents.shifted_runs(back, 1))
+    out, _ = _combine(jnp.stack([out, flip(out2)], 2), jnp.stack([lden, flip(lden2)], 2))
+    return out, jnp.maximum(amax, amax2) > EXCEEDANCE
+
+
+def _doc_pass(xq, rq, xk, rk, v, valid, qrun, krun, pq, cq, pk, ck, cut, interpret, precision):
+    """(out [B, H, L, Dv], log-denominator [B, H, L], largest a_j [B, H]) of one causal pass of the document
+    kernels, the inputs padded to the kernels' shapes and back; cut (chunk, padded F, feature block,
+    launch)."""
+    c, fp, fb, launch = cut
+    l, dv = xq.shape[2], v.shape[-1]
+    lp = -(-l // c) * c
+    xq, rq, pq, cq = _padded_map(xq, rq, pq, cq, lp, fp)
+    xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lp, fp)
+    v, valid = _padded_values(v, valid, lp)
+    qrun, krun = (_pad_to(jnp.asarray(r, jnp.int32), 1, lp, linear.NO_RUN) for r in (qrun, krun))
+    params = (jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck))
+    out, lden, amax = _doc_core(xq, rq, xk, rk, v, valid, qrun, krun, *params, c, fb, interpret, launch, precision)
+    return out[:, :, :l, :dv], lden[:, :, :l], amax
+
+
+def _pad_front(a, axis):
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (1, 0)
+    return jnp.pad(a, pad)
 
 
 def prefill(xk, rk, pk, ck, v, valid=None, interpret=None, segments=None, precision=None, cut=None):

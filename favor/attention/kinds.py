@@ -623,8 +623,8 @@ class RandomFeatureAttention(FeatureAttention):
     HRF the largest m whose hybrid features fit in F (`draws_for_width`; `num_draws` holds it).
 
     `impl`: "xla" (favor.attention.linear), "pallas" (the fused kernel, favor.attention.fused: the positive
-    exponential kinds, no window; "pallas-<precision>" with its products at one of fused.PRECISIONS) or
-    "auto" (the kernel where AUTO_FUSED lists it, XLA elsewhere).
+    exponential kinds, no window, packed documents too; "pallas-<precision>" with its products at one of
+    fused.PRECISIONS) or "auto" (the kernel where AUTO_FUSED lists it, XLA elsewhere and for documents).
     """
 
     OPTIONS = {"num_features": 256, "coupling": "orthogonal", "redraw": "step", "seed": 0,
@@ -788,33 +788,47 @@ class RandomFeatureAttention(FeatureAttention):
                              f"{jax.default_backend()}; impl='xla' runs there")
         return not (causal and q.shape[1] != k.shape[1])
 
-    def _fused_call(self, q, k, v, mask, causal, ctx):
+    def _fused_call(self, q, k, v, mask, causal, ctx, runs=None):
         x, y = self.scaled(q, k)
         xq, rq, pq, cq = self.mech.query_log_linear(x, ctx.draw, ctx.params)
         xk, rk, pk, ck = self.mech.key_log_linear(y, ctx.draw, ctx.params)
         vv = _to_bhld(v)
         out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal,
-                                     precision=self.kernel_precision)
-        if causal:
-            # a key beyond its chunk's reference by more than the chunk form allows: the exact XLA pass
-            exact = lambda: causal_lib.causal_maps(self.query_map, self.key_map, ctx, x, y, vv, mask, True,
-                                               self.chunk_size, "auto", self.causal_span).astype(linear.F32)
-            out = jax.lax.cond(jnp.any(exceeded), exact, lambda: out)
+                                     precision=self.kernel_precision, runs=runs)
+        if causal or runs is not None:
+            # a key beyond its chunk's reference by more than the chunk form allows (documents: both
+            # modes are causal passes): favor's XLA pass
+            args = (self.query_map, self.key_map, ctx, x, y, vv, mask)
+            if runs is None:
+                exact = lambda: causal_lib.causal_maps(*args, True, self.chunk_size, "auto", self.causal_span)
+            elif causal:
+                exact = lambda: documents.causal_maps(*args, runs, True, self.chunk_size, "auto", self.causal_span)
+            else:
+                exact = lambda: documents.bidirectional(*args, runs, True, self.chunk_size or causal_lib.CAUSAL_CHUNK,
+                                                        "auto", self.causal_span)
+            out = jax.lax.cond(jnp.any(exceeded), lambda: exact().astype(linear.F32), lambda: out)
         return _to_bhld(out).astype(v.dtype)
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None, mix=None, segment_ids=None):
         if segment_ids is not None or sequence.axis_size() > 1:
-            if self.impl.startswith("pallas"):
-                what = "segment_ids" if segment_ids is not None else f"mesh.sequence={sequence.axis_size()}"
-                raise ValueError(f"{self.name}: impl={self.impl!r} runs without {what} (the fused kernel does not "
-                                 "yet restart its state at documents or take a carry from other devices); "
-                                 "impl='auto' or 'xla' runs them")
+            if self.impl.startswith("pallas") and sequence.axis_size() > 1:
+                raise ValueError(f"{self.name}: impl={self.impl!r} runs without mesh.sequence="
+                                 f"{sequence.axis_size()} (the fused kernel takes no carry from other devices "
+                                 "yet); impl='auto' or 'xla' runs it")
             if segment_ids is not None and self.data_dependent and stats is None and draw is None:
                 # the fit reads statistics of each row's tokens: on a packed row, of every document in it
                 raise ValueError(f"{self.name} fits its feature map to each row's tokens, so with segment_ids "
                                  "one document's fit would read the others: pass stats= (running statistics, "
                                  "attn.statistics(q, k) of other data) or unpacked rows (data.packing='stream')")
+            # Documents run on the fused kernel only when asked for (impl='pallas'): 'auto' keeps them on XLA,
+            # as the document kernels' speed has not been measured on a GPU (AUTO_FUSED is a measured table)
+            if (sequence.axis_size() == 1 and self.impl.startswith("pallas") and q.shape[1] == k.shape[1]
+                    and self.uses_fused(causal, q, k)):
+                check_qkv(q, k, v, mask, query_mask)
+                runs = document_runs(segment_ids, q, k, causal)
+                ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
+                return self._fused_call(q, k, v, mask, causal, ctx, runs)
             return super().__call__(q, k, v, mask, causal, rng, step, draw, query_mask, stats, mix, segment_ids)
         if self.uses_fused(causal, q, k):
             check_qkv(q, k, v, mask, query_mask)
