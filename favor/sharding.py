@@ -195,10 +195,13 @@ def check(config, accumulate: int = 1) -> None:
             raise ConfigError("mesh.sequence", n, f"must divide data.max_length = {length} (each device holds "
                                                   f"max_length / {n} tokens of every row)")
     dp, procs = sizes["data"] * sizes["fsdp"], jax.process_count()
+    # processes that a sequence or tensor axis spans hold the same rows (process_rows): the batch is shared
+    # among the processes only while there are at least as many data-parallel devices as processes
+    shared = procs if 1 < procs <= dp else 1
     for key in ("batch_size", "eval_batch_size"):
         v = get(config, key)
-        if not is_int(v) or v < 1 or v % dp or v % procs:
-            procs_too = f" and by the {procs} processes" if procs > 1 else ""
+        if not is_int(v) or v < 1 or v % dp or v % shared:
+            procs_too = f" and by the {procs} processes" if shared > 1 else ""
             raise ConfigError(key, v, f"must be a positive integer divisible by the number of data-parallel "
                                       f"devices ({dp}){procs_too}")
     per_device = config.batch_size // dp

@@ -1,6 +1,6 @@
 """Linear attention over every kind, against an independent float64 computation of the same estimator
 (tests/reference.py: shares only ω and the fitted parameters), with the invariants no correct
-attention can break, at hard inputs (norms up to 10·√D, bf16, padding, L = 1), outputs and gradients.
+attention can break (on one kind per code path of the passes, FORMS), at hard inputs (norms up to 10·√D, bf16, padding, L = 1), outputs and gradients.
 
 Gradients and repeatedly evaluated functions run under jax.jit, as in a model: run eagerly, each of
 their hundreds of operations is compiled as a program of its own, which was most of this file's time.
@@ -23,6 +23,14 @@ KINDS = attention.names()
 LINEAR = [k for k in KINDS if k != "softmax"]
 RF_KINDS = [k for k in KINDS if isinstance(attention.get(k), attention.RandomFeatureAttention)]
 DATA_DEPENDENT = [k for k in RF_KINDS if attention.get(k).data_dependent]
+# one kind per code path of the passes, for the invariants (the reference and gradient tests take every
+# kind, and with them each feature map): softmax; exact-zero features (ReLU: the plain causal pass; ELU
+# takes it too); signed with the floor (trig) and row-scaled signed (HRF); positive exponential drawn
+# (FAVOR+; SimRF differs in its draw only) and fitted (FAVOR#; FAVOR++ fits the same way); learned
+# (Hedgehog; T2R is the same learned form)
+FORMS = ["softmax", "relu", "favor", "hrf", "favor+", "favor#", "hedgehog"]
+LINEAR_FORMS = [k for k in FORMS if k != "softmax"]
+assert set(FORMS) <= set(KINDS)
 
 
 _MADE = {}
@@ -300,7 +308,7 @@ def test_causal_position_zero_outputs_v0_at_large_norms(kind):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FORMS)
 def test_identical_keys_give_the_mean_of_valid_values(kind, causal):
     attn = make(kind, chunk_size=4)
     d, l = 16, 12              # the large-norm tests' shapes: their feature maps are compiled already
@@ -317,7 +325,7 @@ def test_identical_keys_give_the_mean_of_valid_values(kind, causal):
     assert_close(attn, out, expect, q, k, v, mask, causal, stats)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FORMS)
 def test_all_padding_row_outputs_zero_with_finite_gradients(kind):
     q, k, v = qkv(scale=3.0)
     mask = jnp.asarray(np.array([[True] * 9, [False] * 9]))
@@ -329,7 +337,7 @@ def test_all_padding_row_outputs_zero_with_finite_gradients(kind):
         assert all(np.all(np.isfinite(np.asarray(g))) for g in grads), (kind, causal)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FORMS)
 def test_length_one(kind):
     attn = make(kind)
     q, k, v = qkv(lq=1, lk=1, scale=5.0)
@@ -351,7 +359,7 @@ def _perturb(x, start, seed, scale):
 FUTURE_CASES = ((1, 0, 1.0), (6, 1, 12.0), (8, 2, 12.0))
 
 
-@pytest.mark.parametrize("kind", LINEAR)
+@pytest.mark.parametrize("kind", LINEAR_FORMS)
 def test_causal_outputs_never_depend_on_the_future(kind):
     """Changing every token ≥ t (queries, keys, values; up to norms far beyond the rest) leaves the
     outputs and the gradients at positions < t bit for bit unchanged, on each causal path alone (the
@@ -383,7 +391,7 @@ def test_causal_outputs_never_depend_on_the_future(kind):
 # else (`inputs`/`scaled`, linear.ones_column), so its padding logic sees float32 whatever the input dtype;
 # softmax computes in the input's dtype. bf16 with padding is checked against the float64 reference for
 # every linear kind by test_large_norms_equal_float64_reference.
-@pytest.mark.parametrize("kind,causal,dtype", [(k, c, jnp.float32) for k in KINDS for c in (False, True)]
+@pytest.mark.parametrize("kind,causal,dtype", [(k, c, jnp.float32) for k in FORMS for c in (False, True)]
                          + [("softmax", False, jnp.bfloat16)])
 def test_padded_keys_change_neither_outputs_nor_gradients(kind, dtype, causal):
     """Padded keys set to anything (norms up to 32·√D, values ±1e3) change no valid output and no
@@ -562,7 +570,7 @@ def test_exact_zero_queries_and_keys_have_finite_gradients(kind):
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FORMS)
 def test_cross_attention_shapes(kind):
     attn = make(kind)
     q, k, v = qkv(lq=5, lk=9, dv=3)
@@ -578,7 +586,8 @@ def test_many_features_match_softmax(kind):
     q, k, v = qkv(b=1, lq=16, lk=16, h=2, d=16, scale=0.3)
     stats = attn.statistics(q, k) if attn.data_dependent else None   # the accuracy, not causality
     for causal in (False, True):
-        out = attn(q, k, v, causal=causal, rng=jax.random.PRNGKey(0), stats=stats if causal else None)
+        out = jax.jit(lambda q, k, v: attn(q, k, v, causal=causal, rng=jax.random.PRNGKey(0),
+                                           stats=stats if causal else None))(q, k, v)
         ref = attention.get("softmax")(q, k, v, causal=causal)
         err = float(jnp.max(jnp.abs(out - ref)))
         assert err < 0.05, (kind, causal, err)
@@ -678,7 +687,8 @@ def test_nnx_multihead_attention_dropin(kind):
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
     # padded positions do not change the valid outputs
     x2 = x.at[1, 4:].set(7.0)
-    out, out2 = mha(x, mask=mask, deterministic=True), mha(x2, mask=mask, deterministic=True)
+    forward = nnx.jit(lambda m, x: m(x, mask=mask, deterministic=True))
+    out, out2 = forward(mha, x), forward(mha, x2)
     np.testing.assert_allclose(np.asarray(out[1, :4]), np.asarray(out2[1, :4]), rtol=1e-5, atol=1e-5)
 
 

@@ -32,12 +32,14 @@ CHUNK = 8                   # chunks of 8 over L = 53: documents start and end i
 # the kinds the fused kernel runs (Pallas, interpret mode here)
 FUSED = [k for k in RF_KINDS if "impl" in attention.get(k).OPTIONS and not attention.get(k).fused_unavailable()]
 
-# (kind, options): every kind, each with a window of 3, the window's learned mix, and each fused kind on
-# the kernel
+# (kind, options): every kind, each with a window of 3, the window's learned mix, and the fused kernel's
+# document passes for a drawn map (FAVOR+) and a fitted one (FAVOR#): every fused kind runs the same kernels
+# on its own log-linear form, which tests/test_fused.py checks against each kind's feature map
 CASES = ([("softmax", ()), ("softmax", (("window", WINDOW),))]
          + [(k, w) for k in LINEAR for w in ((), (("window", WINDOW),))]
          + [("favor+", (("window", WINDOW), ("window_mix", "learned")))]
-         + [(k, (("impl", "pallas"),)) for k in FUSED])
+         + [(k, (("impl", "pallas"),)) for k in ("favor+", "favor#")])
+assert all(k in FUSED for k in ("favor+", "favor#"))
 
 
 def case_id(case):
@@ -50,11 +52,11 @@ def case_id(case):
 
 # one case per code path of the passes (the tests beyond the reference take these): softmax and its band;
 # features with exact zeros (ReLU: the plain causal pass); signed and row-scaled with the floor (trig, HRF);
-# positive exponential (FAVOR+), fitted (FAVOR#), learned (Hedgehog); each window form and the learned mix;
-# the fused kernel's document passes (FAVOR+ on the kernel)
+# positive exponential (FAVOR+), fitted (FAVOR#), learned (Hedgehog); each window form and the learned mix.
+# The fused kernel's invariants are tests/test_fused.py's (bit for bit, on the kernel itself)
 FORMS = [c for c in CASES if case_id(c) in ("softmax", "softmax@3", "relu", "relu@3", "favor", "favor@3", "favor+",
-                                              "favor+@3", "favor#", "hrf", "hedgehog", "favor+@3-learned",
-                                              "favor+-pallas")]
+                                              "favor+@3", "favor#", "hrf", "hedgehog", "favor+@3-learned")]
+PALLAS = [c for c in CASES if case_id(c) == "favor+-pallas"]
 LINEAR_FORMS = [c for c in FORMS if c[0] != "softmax"]
 # the reference tests: every kind, and the window's forms (each form of the band and of its off-band pass
 # once: the band is the same code for every kind)
@@ -575,7 +577,7 @@ def test_a_large_norm_document_beside_an_ordinary_one_in_bf16(case, causal):
     check_large_norms(case, causal, jnp.bfloat16)
 
 
-@cases(FORMS)
+@cases(FORMS + PALLAS)
 def test_length_one(case):
     """L = 1 (each row one document, ids 0 and 5): the output is the token's value, both modes."""
     attn = make(case)

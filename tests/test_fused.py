@@ -677,3 +677,17 @@ def test_calls_are_cut_as_the_tuning_table_says(causal):
         if causal:
             assert f"f32[1,2,{l // chunk},{width}]" in text
     assert set(fused.TUNING) <= {(m, prec) for m in ("causal", "bidirectional") for prec in fused.PRECISIONS}
+
+
+def test_the_document_reference_is_picked_exactly_by_low_precision_products(monkeypatch):
+    """A document's reference is its first key's log-features, picked by a product: with the product's
+    operands rounded to bf16 (what PRECISIONS["bf16"] does on a GPU, emulated here) the pick is still the
+    float32 value to 2⁻²⁴ relative, where one bf16 product would be off by up to 2⁻⁹."""
+    rng = np.random.default_rng(40)
+    x = jnp.asarray(rng.standard_normal((16, 24)) * 300.0, jnp.float32)
+    onehot = jnp.asarray(np.eye(16)[rng.permutation(16)], jnp.float32)
+    bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+    monkeypatch.setattr(fused, "_dot", lambda a, b, ta=False, tb=False: jnp.dot(bf16(a), bf16(b), precision="highest"))
+    want = np.asarray(onehot) @ np.asarray(x, np.float64)
+    assert np.max(np.abs(np.asarray(fused._pick(onehot, x)) - want)) <= 2.0 ** -23 * np.max(np.abs(want))
+    assert np.max(np.abs(np.asarray(fused._dot(onehot, x)) - want)) > 2.0 ** -12 * np.max(np.abs(want))

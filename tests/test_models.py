@@ -37,6 +37,12 @@ def inputs(family, b=2):
     return (feats, jnp.array([40, 27])), {}
 
 
+@nnx.jit
+def call(model, *args, **kwargs):
+    """model(*args, **kwargs) as one compiled program (eager, each operation compiles on its own)."""
+    return model(*args, **kwargs)
+
+
 def loss_and_grads(model, family):
     """A loss of the model's outputs and its gradients to the parameters, as one jitted program (as a
     training step compiles them; the gradient of a jitted loss taken eagerly compiles two)."""
@@ -67,12 +73,12 @@ def test_forward_and_grad_every_model_every_kind(family, kind):
 def test_bert_padding_has_no_influence(kind):
     model = build("bert", kind)
     (ids,), kw = inputs("bert")
-    out = model(ids, **kw)["hidden_states"]
+    out = call(model, ids, **kw)["hidden_states"]
     ids2 = ids.at[1, 8:].set(7)                 # change only the padded tokens of example 1
-    out2 = model(ids2, **kw)["hidden_states"]
+    out2 = call(model, ids2, **kw)["hidden_states"]
     np.testing.assert_allclose(np.asarray(out2[1, :8]), np.asarray(out[1, :8]), atol=1e-5)
     ids3 = ids.at[1, 3].set(11)                 # control: a valid token does change them
-    assert float(jnp.max(jnp.abs(model(ids3, **kw)["hidden_states"][1, :8] - out[1, :8]))) > 1e-3
+    assert float(jnp.max(jnp.abs(call(model, ids3, **kw)["hidden_states"][1, :8] - out[1, :8]))) > 1e-3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -153,14 +159,14 @@ def test_dropout_changes_training_output_only(family):
 def test_heads():
     (ids,), kw = inputs("bert")
     for head, shape in (("mlm", (2, 12, 1024)), ("classification", (2, 3)), ("regression", (2,))):
-        out = build("bert", head=head, num_labels=3)(ids, **kw)
+        out = call(build("bert", head=head, num_labels=3), ids, **kw)
         assert out["logits"].shape == shape, head
-    assert "logits" not in build("bert", head="none")(ids, **kw)
+    assert "logits" not in call(build("bert", head="none"), ids, **kw)
     vit = build("vit", pool="mean", num_classes=5)
-    out = vit(*inputs("vit")[0])
+    out = call(vit, *inputs("vit")[0])
     assert out["hidden_states"].shape == (2, 64, 64) and out["logits"].shape == (2, 5)
     # sequence length is a config change: 32/8 -> 16 patches + class token
-    assert build("vit", patch_size=8)(*inputs("vit")[0])["hidden_states"].shape == (2, 17, 64)
+    assert call(build("vit", patch_size=8), *inputs("vit")[0])["hidden_states"].shape == (2, 17, 64)
 
 
 def test_bad_input_is_a_clear_error():

@@ -75,3 +75,26 @@ def test_imports_leave_the_backend_alone():
     assert out.returncode == 0, out.stderr[-3000:]
     count, initialised = out.stdout.split()
     assert int(count) > 20 and initialised == "False", out.stdout
+
+
+def test_processes_that_share_rows_need_no_share_of_the_batch(monkeypatch):
+    """With 2 processes a batch must split between them only while the batch axes span them: mesh.data=1
+    and a sequence axis over every device (both processes hold every row) takes a batch of 1; 8 data-
+    parallel devices over 2 processes still need a batch they divide, named in one line."""
+    import jax
+
+    from configs import decoder_lm
+    from favor import configcheck, sharding
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    n = jax.device_count()
+    c = decoder_lm.get_config("runlocal")
+    c.data.max_length = 8 * n
+    c.mesh = {"data": 1, "fsdp": 1, "sequence": n, "tensor": 1}
+    c.batch_size = c.eval_batch_size = 1
+    sharding.check(c)
+    if n >= 2:
+        c.mesh = {"data": n, "fsdp": 1, "sequence": 1, "tensor": 1}
+        c.batch_size = c.eval_batch_size = n + 1
+        with pytest.raises(configcheck.ConfigError, match=f"divisible by the number of data-parallel devices "
+                                                          rf"\({n}\) and by the 2 processes"):
+            sharding.check(c)

@@ -14,10 +14,22 @@ from favor.attention import window as window_lib
 from test_attention import (calibration_stats, check_gradients_against_explicit, check_prefill, context_of, key_mask,
                             make, qkv)
 
+def _traced(a):
+    return all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(a))
+
+
+def compiled(fn, *args, **kwargs):
+    """fn(*args, **kwargs) as one compiled program; eager, each operation compiles on its own. Arrays and
+    pytrees of them (None included) are traced; everything else (Python scalars, layers) stays static."""
+    arrays = {i: a for i, a in enumerate(args) if _traced(a)}
+    named = {n: a for n, a in kwargs.items() if _traced(a)}
+    return jax.jit(lambda arrays, named: fn(*(arrays.get(i, a) for i, a in enumerate(args)),
+                                            **{**kwargs, **named}))(arrays, named)
+
 
 def check(attn, q, k, v, mask, causal, rng=None, stats=None, rtol=2e-4):
-    out = attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)
-    ctx = context_of(attn, q, k, mask, rng, causal, stats)
+    out = compiled(attn, q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)
+    ctx = compiled(context_of, attn, q, k, mask, rng, causal, stats)
     ref, cond = reference.attention(attn, q, k, v, ctx, mask, causal, window=attn.window)
     out = np.asarray(out, np.float64)
     # bf16 outputs are rounded to bf16 (8 bits): that rounding is allowed on top
@@ -84,7 +96,7 @@ def test_tends_to_exact_softmax_as_the_window_grows(causal):
     """The mean (over 8 draws) error against softmax falls as w grows, and w = L − 1 is softmax."""
     l = 16
     q, k, v = qkv(b=1, lq=l, lk=l, scale=1.0, seed=7)
-    exact = np.asarray(attention.get("softmax")(q, k, v, causal=causal))
+    exact = np.asarray(compiled(attention.get("softmax"), q, k, v, causal=causal))
     errors, keys = {}, jax.random.split(jax.random.PRNGKey(0), 8)
     for w in (0, 3, 8, l - 1):
         attn = make("favor+", chunk_size=8, window=w)
@@ -103,7 +115,7 @@ def test_causal_invariants(kind):
     stats = calibration_stats(attn, d)
     norms = np.full(l, 10.0 * d ** 0.5)
     q, k, v = qkv(b=1, lq=l, lk=l, d=d, norms=norms, seed=4)
-    out = attn(q, k, v, causal=True, stats=stats)
+    out = compiled(attn, q, k, v, causal=True, stats=stats)
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(v[:, 0]), rtol=1e-5, atol=1e-5)
 
     # each causal path alone is causal bit for bit ("auto" picks a path from the whole input, so a future
@@ -113,8 +125,9 @@ def test_causal_invariants(kind):
     v2 = v.at[:, t + 1:].set(100.0)
     for path in ("fast", "exact"):
         attn = make(kind, chunk_size=4, window=3, causal_path=path)
-        a = np.asarray(attn(q, k, v, causal=True, stats=stats))
-        b = np.asarray(attn(q, k2, v2, causal=True, stats=stats))
+        run = jax.jit(lambda q, k, v: attn(q, k, v, causal=True, stats=stats))
+        a = np.asarray(run(q, k, v))
+        b = np.asarray(run(q, k2, v2))
         np.testing.assert_array_equal(a[:, :t + 1], b[:, :t + 1], err_msg=path)
 
 
@@ -122,13 +135,13 @@ def test_a_window_wider_than_the_sequence_is_the_whole_sequence():
     """w ≫ L gives what w = L − 1 gives (exact softmax), with the band's blocks sized by L, not w."""
     q, k, v = qkv(lq=8, lk=8)
     for causal in (False, True):
-        wide = make("favor+", window=4096)(q, k, v, causal=causal)
-        exact = attention.get("softmax")(q, k, v, causal=causal)
+        wide = compiled(make("favor+", window=4096), q, k, v, causal=causal)
+        exact = compiled(attention.get("softmax"), q, k, v, causal=causal)
         np.testing.assert_allclose(np.asarray(wide), np.asarray(exact), rtol=1e-5, atol=1e-6)
     x = jnp.zeros((1, 1, 8, 4))
-    lowered = jax.jit(lambda x: window_lib._band(x, x, x, jnp.ones((1, 1, 8), bool), 4096, 4096)).lower(x)
+    lowered = jax.jit(lambda x: window_lib.band_sums(x, x, x, jnp.ones((1, 1, 8), bool), 4096, 4096)).lower(x)
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
-    small = jax.jit(lambda x: window_lib._band(x, x, x, jnp.ones((1, 1, 8), bool), 7, 7)).lower(x)
+    small = jax.jit(lambda x: window_lib.band_sums(x, x, x, jnp.ones((1, 1, 8), bool), 7, 7)).lower(x)
     assert temp <= small.compile().memory_analysis().temp_size_in_bytes
 
 
@@ -136,11 +149,11 @@ def test_length_one_and_empty_rows():
     attn = make("favor+", window=4)
     q, k, v = qkv(lq=1, lk=1)
     for causal in (False, True):
-        np.testing.assert_allclose(np.asarray(attn(q, k, v, causal=causal)), np.asarray(v), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(compiled(attn, q, k, v, causal=causal)), np.asarray(v), rtol=1e-6)
     q, k, v = qkv()
     mask = jnp.asarray(np.ones((2, 9), bool)).at[0].set(False)       # a row with no valid key
     for causal in (False, True):
-        out = np.asarray(attn(q, k, v, mask=mask, causal=causal))
+        out = np.asarray(compiled(attn, q, k, v, mask=mask, causal=causal))
         np.testing.assert_array_equal(out[0], 0.0)
         assert np.all(np.isfinite(out))
 
@@ -187,9 +200,9 @@ def test_decoding_step_equals_causal_pass(kind):
     q, k, v = qkv(lq=l, lk=l, d=d, scale=1.5)
     valid = jnp.ones((2, l), bool).at[1, 3].set(False)
     stats = calibration_stats(attn, d)
-    full = attn(q, k, v, mask=valid, causal=True, stats=stats)
-    ctx = attn.decode_context(d, stats=stats)
-    state = attn.decode_init(2, 2, d, v.shape[-1])
+    full = compiled(attn, q, k, v, mask=valid, causal=True, stats=stats)
+    ctx = compiled(attn.decode_context, d, stats=stats)
+    state = compiled(attn.decode_init, 2, 2, d, v.shape[-1])
     steps, states = [], [state]
     step = jax.jit(attn.decode_step)           # one program a step, as generation runs it
     for t in range(l):
@@ -204,8 +217,8 @@ def test_decoding_step_equals_causal_pass(kind):
 def test_causal_with_fewer_queries_aligns_them_to_the_last_keys():
     attn = make("favor+", chunk_size=4, window=2)
     q, k, v = qkv()
-    full = attn(q, k, v, causal=True)
-    tail = attn(q[:, 5:], k, v, causal=True)
+    full = compiled(attn, q, k, v, causal=True)
+    tail = compiled(attn, q[:, 5:], k, v, causal=True)
     np.testing.assert_allclose(np.asarray(tail), np.asarray(full[:, 5:]), rtol=1e-5, atol=1e-6)
 
 
@@ -267,7 +280,7 @@ def test_the_learned_mix_weighs_the_band():
     causal pass, which sees its own key alone: the band's only key, so any γ gives v_0)."""
     attn = make("hedgehog", chunk_size=4, window=2, window_mix="learned", num_features=8)
     q, k, v = qkv(b=1, seed=8)
-    out = attn(q, k, v, causal=True, mix=jnp.asarray([-40.0, -40.0]))
+    out = compiled(attn, q, k, v, causal=True, mix=jnp.asarray([-40.0, -40.0]))
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(v[:, 0]), rtol=1e-5, atol=1e-6)
     # γ = e^-40: the band keys carry nothing wherever an off-band key exists: rows t ≥ 3 are the plain
     # linear attention over keys ≤ t − 3, written here from the map's float64 features
@@ -313,8 +326,8 @@ def test_learned_mix_decoding_equals_the_causal_pass(kind):
     d, l = 8, 9
     q, k, v = qkv(lq=l, lk=l, d=d, scale=1.5)
     valid = jnp.ones((2, l), bool).at[1, 3].set(False)
-    full = attn(q, k, v, mask=valid, causal=True, mix=MIX)
-    ctx = attn.decode_context(d)
+    full = compiled(attn, q, k, v, mask=valid, causal=True, mix=MIX)
+    ctx = compiled(attn.decode_context, d)
     step = jax.jit(lambda s, q, k, v, valid: attn.decode_step(s, q, k, v, ctx, valid=valid, mix=MIX))
     prefill = jax.jit(attn.decode_prefill)
     for p in (0, 2, 5):
@@ -331,8 +344,9 @@ def test_learned_mix_decoding_equals_the_causal_pass(kind):
     for path in ("fast", "exact"):
         a = make(kind, chunk_size=4, window=3, window_mix="learned", causal_path=path,
                  num_features=8 if kind != "favor+" else 16)
-        np.testing.assert_array_equal(np.asarray(a(q, k, v, causal=True, mix=MIX))[:, :t + 1],
-                                      np.asarray(a(q, k2, v2, causal=True, mix=MIX))[:, :t + 1], err_msg=path)
+        run = jax.jit(lambda q, k, v: a(q, k, v, causal=True, mix=MIX))
+        np.testing.assert_array_equal(np.asarray(run(q, k, v))[:, :t + 1],
+                                      np.asarray(run(q, k2, v2))[:, :t + 1], err_msg=path)
 
 
 def test_mix_errors_name_the_bad_value():
@@ -354,7 +368,8 @@ def test_sliding_window_softmax_is_the_band_alone(causal):
     mask = np.ones((2, 9), bool)
     mask[0, 4:] = False
     mask[1, 2] = False
-    out = np.asarray(attention.get("softmax", window=2)(q, k, v, mask=jnp.asarray(mask), causal=causal), np.float64)
+    out = np.asarray(compiled(attention.get("softmax", window=2), q, k, v, mask=jnp.asarray(mask), causal=causal),
+                     np.float64)
     x, y, vv = (np.swapaxes(np.asarray(a, np.float64), 1, 2) for a in (q, k, v))
     s = np.einsum("bhid,bhjd->bhij", x, y) / np.sqrt(8.0)
     rel = np.arange(9)[None, :] - np.arange(9)[:, None]

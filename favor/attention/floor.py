@@ -115,33 +115,58 @@ def estimated_mass(nk, causal, runs=None, gap=1):
 def _document_floor(x, y, v, w, causal, norms, runs, gap=0):
     """jensen_floor over packed documents: the sums, extremes and counts per document, running (causal)
     or the document's whole (a running reduction restarting at each document, read at its last token)."""
-    r = runs[:, None, :, None]
-    big = jnp.finfo(F32).max
-    over = lambda a, op, fill: segmented(a, r if a.ndim == 4 else runs[:, None], op, fill, axis=2)
-    if not causal:
-        ends = segmented(jnp.flip(jnp.arange(runs.shape[1])[None].repeat(runs.shape[0], 0), 1),
-                                   jnp.flip(runs, 1), jnp.maximum, -1)
-        ends = jnp.flip(ends, 1)[:, None, :]                                       # each token's document's end
-        whole = lambda a: jnp.take_along_axis(a, ends[..., None] if a.ndim == 4 else ends, axis=2)
-        running = over
-        over = lambda a, op, fill: whole(running(a, op, fill))
-    drop = y.shape[2] - x.shape[2]               # causal queries aligned to the last keys
-    reduced = over
-    over = lambda a, op, fill: reduced(a, op, fill)[:, :, drop:]
-    ones = jnp.broadcast_to(w, (w.shape[0], 1, w.shape[2], 1))
-    ysum, vsum, count = (over(a, jnp.add, 0.0) for a in (y * w, v * w, ones))
-    low = over(jnp.where(w > 0, v, big), jnp.minimum, big)
-    high = over(jnp.where(w > 0, v, -big), jnp.maximum, -big)
-    n = jnp.maximum(count, 1.0)
-    log = jnp.log(n[..., 0]) + jnp.einsum("bhld,bhld->bhl", x, jnp.broadcast_to(ysum, x.shape)) / n[..., 0]
-    mass = None
+    nq = nk = None
     if norms is not None:
         nq, nk = (sg(a.astype(F32)) for a in norms)
         nk = jnp.where(w[..., 0] > 0, nk, NEG_INF)
-        seen = estimated_mass(nk, causal, runs, gap)[:, :, drop:] if gap else over(nk, jnp.logaddexp, NEG_INF)
-        mass = jnp.where(count[..., 0] > 0, nq + seen, NEG_INF)
-    return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=vsum / n, low=low, high=high,
-                 log_mass=mass)
+    stats = document_stats(y, v, w, runs, None if gap else nk)
+    if not causal:
+        stats = {name: whole_document(a, runs) for name, a in stats.items()}
+    drop = y.shape[2] - x.shape[2]               # causal queries aligned to the last keys
+    stats = {name: a[:, :, drop:] for name, a in stats.items()}
+    if norms is not None and gap:
+        stats["mass"] = estimated_mass(nk, causal, runs, gap)[:, :, drop:]
+    return floor_of(x, stats, nq)
+
+
+# The reductions `document_stats` keeps and how two parts of a document combine: (operation, identity)
+_BIG = float(jnp.finfo(F32).max)
+STAT_OPS = {"y": (jnp.add, 0.0), "v": (jnp.add, 0.0), "n": (jnp.add, 0.0), "low": (jnp.minimum, _BIG),
+            "high": (jnp.maximum, -_BIG), "mass": (jnp.logaddexp, NEG_INF)}
+
+
+def document_stats(y, v, w, runs, nk=None):
+    """What the floor reads of the keys of each token's document up to it (a running reduction restarting
+    at each document): key sum "y" [B, H, L, D], value sum "v" and extremes "low"/"high" [B, H, L, Dv],
+    count "n" [B, 1, L, 1] and, with nk [B, H, L] (log‖φ_k‖, −inf for no key), "mass" log Σ‖φ_k‖ [B, H, L].
+    w [B, 1, L, 1] the keys' 0/1 mask. Parts of one document combine under STAT_OPS (the sequence axis
+    carries them across devices)."""
+    ones = jnp.broadcast_to(w, (w.shape[0], 1, w.shape[2], 1))
+    parts = {"y": y * w, "v": v * w, "n": ones, "low": jnp.where(w > 0, v, _BIG), "high": jnp.where(w > 0, v, -_BIG)}
+    if nk is not None:
+        parts["mass"] = nk
+    return {name: segmented(a, runs[:, None, :, None] if a.ndim == 4 else runs[:, None], *STAT_OPS[name], axis=2)
+            for name, a in parts.items()}
+
+
+def whole_document(a, runs):
+    """A running reduction [B, ., L, ...] (`document_stats`) read at each token's document's last token:
+    the document's whole."""
+    b, l = runs.shape
+    ends = jnp.flip(segmented(jnp.flip(jnp.broadcast_to(jnp.arange(l)[None], (b, l)), 1), jnp.flip(runs, 1),
+                              jnp.maximum, -1), 1)[:, None, :]                # each token's document's end
+    return jnp.take_along_axis(a, ends[..., None] if a.ndim == 4 else ends, axis=2)
+
+
+def floor_of(x, stats, nq=None):
+    """The Floor of queries x [B, H, Lq, D] from the reductions over the keys each sees (`document_stats`'
+    names, aligned to the queries); nq [B, H, Lq] log‖φ_q‖ with stats["mass"] for the rounding bound."""
+    count = stats["n"]
+    n = jnp.maximum(count, 1.0)
+    log = jnp.log(n[..., 0]) + jnp.einsum("bhld,bhld->bhl", x, jnp.broadcast_to(stats["y"], x.shape)) / n[..., 0]
+    mass = None if nq is None else jnp.where(count[..., 0] > 0, nq + stats["mass"], NEG_INF)
+    return Floor(log=jnp.where(count[..., 0] > 0, log, NEG_INF), mean=stats["v"] / n, low=stats["low"],
+                 high=stats["high"], log_mass=mass)
 
 
 # float32's unit roundoff: the residual below is two float32 sums (the numerator and the denominator

@@ -603,6 +603,19 @@ def _at(x, k):
     return jnp.sum(jnp.where(_iota(x.shape[0]) == k, x, jnp.zeros_like(x)))
 
 
+def _pick(onehot, x):
+    """onehot [n, c] (rows of one 1 or none) @ x [c, F], exact at every PRECISIONS setting: x as three bf16
+    parts, each picked exactly by a product whose operands are rounded to bf16 (or TF32) at most. A
+    reference rounded by the product (|l|·2⁻⁹ under "bf16") could exceed every key the row sees, which the
+    backward pass's β_i ≤ log den_i needs."""
+    parts = []
+    for _ in range(3):
+        part = x.astype(jnp.bfloat16).astype(F32)
+        parts.append(part)
+        x = x - part
+    return sum(_dot(onehot, part) for part in parts)
+
+
 def _doc_terms(lq, lk, val, qrun, krun, carry, real):
     """The chunk's factors with documents, given the carry (seen, τ, crun): a_j, β_i, fq, fk, w as in
     `_causal_terms` on each row's own reference, the mask (j ≤ i, one run), which queries read the carry,
@@ -615,7 +628,7 @@ def _doc_terms(lq, lk, val, qrun, krun, carry, real):
 
     def refs(runs):
         first = jnp.min(jnp.where((runs[:, None] == krun[None, :]) & val[None, :], idx[None, :], c), axis=1)
-        own = _dot(jnp.where(idx[None, :] == first[:, None], 1.0, 0.0), lk0)      # zeros: no key of the run here
+        own = _pick(jnp.where(idx[None, :] == first[:, None], 1.0, 0.0), lk0)     # zeros: no key of the run here
         return jnp.where((carried & (runs == crun))[:, None], tau[None, :], own)
 
     kref, qref = refs(krun), refs(qrun)

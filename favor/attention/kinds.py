@@ -117,13 +117,11 @@ class Softmax(Attention):
         return self.impl == "cudnn"
 
     def _sequence_sharded(self, q, k, v, mask, causal, runs):
-        if self.window:
-            refuse_sequence_axis(self.name, f"window={self.window} has no band across devices")
         if self.impl == "cudnn":
             refuse_sequence_axis(self.name, "impl='cudnn' runs on one device's whole sequence")
         if q.shape[1] != k.shape[1]:
             refuse_sequence_axis(self.name, f"queries and keys differ in length ({q.shape[1]}, {k.shape[1]})")
-        return sequence.softmax(q, k, v, mask, runs, causal, q.shape[-1] ** -0.5)
+        return sequence.softmax(q, k, v, mask, runs, causal, q.shape[-1] ** -0.5, self.window)
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None, segment_ids=None):
@@ -313,7 +311,7 @@ class FeatureAttention(Attention, abc.ABC):
         runs = document_runs(segment_ids, q, k, causal)
         ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
         if sequence.axis_size() > 1:
-            return self._sequence_sharded(q, k, v, mask, causal, ctx, runs)
+            return self._sequence_sharded(q, k, v, mask, causal, ctx, runs, mix)
         if self.window:
             return self._windowed(q, k, v, mask, causal, ctx, mix, runs)
         vv = _to_bhld(v)
@@ -357,19 +355,21 @@ class FeatureAttention(Attention, abc.ABC):
                                             self.bidirectional_chunk, floor)
         return _to_bhld(out).astype(v.dtype)
 
-    def _sequence_sharded(self, q, k, v, mask, causal, ctx, runs):
+    def _sequence_sharded(self, q, k, v, mask, causal, ctx, runs, mix=None):
         """The call with L split over the mesh's sequence axis (favor.attention.sequence)."""
-        if self.window:
-            refuse_sequence_axis(self.name, f"window={self.window} has no band across devices")
-        if not self.positive:
-            refuse_sequence_axis(self.name, "the floor of its denominator (a sign-indefinite kind) reads "
-                                            "statistics of every earlier key, which are not exchanged across devices")
+        if self.window and not self.positive:
+            refuse_sequence_axis(self.name, f"the floor of a sign-indefinite kind with window={self.window} counts "
+                                            "the rounding mass of the keys off the band, which is not exchanged "
+                                            "across devices yet")
         if q.shape[1] != k.shape[1]:
             refuse_sequence_axis(self.name, f"queries and keys differ in length ({q.shape[1]}, {k.shape[1]})")
         x, y = self.inputs(q, k)
         path = "exact" if "exact" in (self._window_path(), self.causal_path) else (self.causal_path if causal else "auto")
+        window = {}
+        if self.window:
+            window = {"window": self.window, "band": self.band_inputs(q, k), "log_mix": self._log_mix(mix, q.shape[2])}
         out = sequence.linear(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, runs, self.positive, causal,
-                              self.chunk_size or causal_lib.CAUSAL_CHUNK, path, self.causal_span)
+                              self.chunk_size or causal_lib.CAUSAL_CHUNK, path, self.causal_span, **window)
         return _to_bhld(out).astype(v.dtype)
 
     def plain_maps(self, ctx, x, y):

@@ -12,7 +12,11 @@ O(n·H·F·(Dv+1)) numbers per layer whatever L. Each device folds the carries o
 runs its own tokens' causal pass from that carry: the result is the unsharded pass's, stabilisers
 and document restarts included. Bidirectional adds the reversed fold over the devices after it (the
 carry of each device's first document) and the reversed pass, as favor.attention.documents does on
-one device. Softmax, the baseline: an all-gather of the keys, values and their masks.
+one device. A window (favor.attention.window): the band reads the `window` nearest keys of the
+neighbouring devices (a ppermute of those rows), and the estimate beyond it runs the same fold over keys
+moved w + 1 positions, the rows crossing a boundary taken from the neighbour. The sign-indefinite kinds'
+floor (favor.attention.floor) all-gathers each device's per-document reductions (sums, extremes, counts)
+and folds them the same way. Softmax, the baseline: an all-gather of the keys, values and their masks.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from favor.attention import documents
+from favor.attention import documents, window as window_lib
 from favor.attention.causal import CAUSAL_CHUNK
-from favor.attention.floor import ratio
-from favor.attention.linear import F32, NEG_INF, combine, ones_column
+from favor.attention.floor import STAT_OPS, document_stats, floor_of, log_norm_bounds, ratio, whole_document
+from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, ones_column, sg
 
 AXIS = "sequence"
 BATCH_AXES = ("data", "fsdp")
@@ -107,51 +111,168 @@ def _gather(carry, first, last):
     return jax.lax.all_gather((carry, first, last), AXIS)
 
 
-def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n):
+def _fold_stats(stats, first, last, me, n, before):
+    """The floor's reductions (floor.STAT_OPS) over the keys of the document open where device `me` starts
+    (before=True: on the devices before it; each device's entry its last document's, `last` its run) or
+    where it ends (before=False: on the devices after it; each entry its first document's, `first` its
+    run), all stacked along a leading device axis -> (the reductions, that document's run [B])."""
+    run = jnp.full(first.shape[1:], NO_RUN, jnp.int32)
+    carry = {name: jnp.full(a.shape[1:], STAT_OPS[name][1], a.dtype) for name, a in stats.items()}
+    for e in (range(n) if before else range(n - 1, -1, -1)):
+        mine = {name: a[e] for name, a in stats.items()}
+        own = last[e] if before else first[e]
+        # a device wholly inside the carried document adds to it; any other device starts a new one
+        inside = (first[e] == last[e]) & (own == run)
+        new = {name: jnp.where(_rows(inside, mine[name]), STAT_OPS[name][0](carry[name], mine[name]), mine[name])
+               for name in carry}
+        use = (e < me) if before else (e > me)
+        carry = {name: jnp.where(use, new[name], carry[name]) for name in carry}
+        run = jnp.where(use, own, run)
+    return carry, run
+
+
+def _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me):
+    """The sign-indefinite kinds' floor (floor.jensen_floor) of one device's queries over the keys of the
+    whole sequence: the device's own reductions per document, plus the carried reductions of the document
+    it starts inside (all-gathered, like the linear carry) and, bidirectional, of the one it ends inside."""
+    w = valid[:, None, :, None].astype(F32)
+    nq, nk = (sg(log_norm_bounds(*m(ctx, a)).astype(F32)) for m, a in ((query_map, x), (key_map, y)))
+    nk = jnp.where(valid[:, None], nk, NEG_INF)
+    stats = document_stats(y.astype(F32), v.astype(F32), w, runs, nk)
+    first, last = runs[:, 0], runs[:, -1]
+
+    def add(stats, carried, run):
+        inside = runs == run[:, None]                                       # [B, Lc]
+        mask = lambda a: inside[:, None, :, None] if a.ndim == 4 else inside[:, None, :]
+        return {name: jnp.where(mask(a), STAT_OPS[name][0](jnp.expand_dims(carried[name], 2), a), a)
+                for name, a in stats.items()}
+
+    ahead = jax.lax.all_gather(({k: a[:, :, -1] for k, a in stats.items()}, first, last), AXIS)
+    before = _fold_stats(*ahead, me, n, before=True)
+    if causal:
+        return floor_of(x.astype(F32), add(stats, *before), nq)
+    whole = {name: whole_document(a, runs) for name, a in stats.items()}
+    behind = jax.lax.all_gather(({k: a[:, :, 0] for k, a in whole.items()}, first, last), AXIS)
+    after = _fold_stats(*behind, me, n, before=False)
+    return floor_of(x.astype(F32), add(add(whole, *before), *after), nq)
+
+
+def _neighbour(a, s, n, axis, fill, nxt):
+    """s rows of the neighbouring device's `a` along the sequence: the previous device's last s (nxt=False)
+    or the next device's first s (nxt=True); `fill` on the device that has no such neighbour."""
+    l = a.shape[axis]
+    rows = jax.lax.slice_in_dim(a, 0, s, axis=axis) if nxt else jax.lax.slice_in_dim(a, l - s, l, axis=axis)
+    perm = [(i + 1, i) for i in range(n - 1)] if nxt else [(i, i + 1) for i in range(n - 1)]
+    got = jax.lax.ppermute(rows, AXIS, perm)
+    return jnp.where(jax.lax.axis_index(AXIS) == (n - 1 if nxt else 0), jnp.full_like(got, fill), got)
+
+
+def _moved(a, s, n, axis, fill, earlier=False):
+    """a moved s ≤ Lc positions later (earlier=True: earlier) along the whole sharded sequence: the rows
+    that cross a device boundary come from the neighbour, `fill` enters at the sequence's end."""
+    if s == 0:
+        return a
+    l = a.shape[axis]
+    if earlier:
+        return jnp.concatenate([jax.lax.slice_in_dim(a, s, l, axis=axis), _neighbour(a, s, n, axis, fill, True)], axis)
+    return jnp.concatenate([_neighbour(a, s, n, axis, fill, False), jax.lax.slice_in_dim(a, 0, l - s, axis=axis)], axis)
+
+
+def _estimate(query_map, key_map, ctx, x, y, v1, valid, runs, gap, n, after, chunk_size, path, span):
+    """Σ φ_q(i)ᵀφ_k(j)[v_j, 1] over the keys j ≤ i − gap (after=True: j ≥ i + gap) of query i's document on
+    every device: (out, log-scale) as documents.causal_sums gives them. The keys move `gap` positions (rows
+    from the neighbouring device crossing over); each device reduces its moved keys to the carry of its
+    last document, the carries are all-gathered and folded, and the device's own pass starts from the
+    fold. after=True runs the reversed sequence (runs renumbered to stay non-decreasing)."""
+    me = jax.lax.axis_index(AXIS)
+    # no key where the sequence ends: NO_RUN in the pass's own numbering
+    move = lambda a, axis, fill: _moved(a, gap, n, axis, fill, earlier=after)
+    yk = jax.tree.map(lambda a: move(a, 2, 0.0), y)
+    vk, validk = move(v1, 2, 0.0), move(valid, 1, False)
+    rq, rk = runs, move(runs, 1, documents.RUN_TOP - NO_RUN if after else NO_RUN)
+    if after:
+        flip = lambda a: jnp.flip(a, axis=2)
+        x, yk, vk = jax.tree.map(flip, x), jax.tree.map(flip, yk), flip(vk)
+        validk = jnp.flip(validk, axis=1)
+        rq, rk = documents.reversed_runs(rq), documents.reversed_runs(rk)
+    lk, sk = key_map(ctx, yk)
+    lk = jnp.where(validk[:, None, :, None], lk.astype(F32), NEG_INF)
+    first, last = rk[:, 0], rk[:, -1]
+    init = _fold(_gather(documents.summary(lk, sk, vk, rk == last[:, None], last), first, last), me, n,
+                 before=not after)
+    out, scale = documents.causal_sums(query_map, key_map, ctx, x, yk, vk, validk, rq, rk, chunk_size, path, span,
+                                       init)
+    return (jnp.flip(out, axis=2), jnp.flip(scale, axis=2)) if after else (out, scale)
+
+
+def _band(bx, by, v1, valid, runs, window, causal, n, log_mix):
+    """The window's exact band of one device's queries: its keys with the neighbours' `window` nearest
+    (the previous device's; bidirectional, the next one's too) -> (out, log-scale) as window.band_part."""
+    right = 0 if causal else window
+    l = bx.shape[2]
+
+    def extended(a, axis, fill):
+        parts = [_neighbour(a, window, n, axis, fill, False), a]
+        return jnp.concatenate(parts + ([_neighbour(a, right, n, axis, fill, True)] if right else []), axis=axis)
+
+    x = jnp.pad(bx, ((0, 0), (0, 0), (window, right), (0, 0)))
+    keys = extended(valid, 1, False)
+    has_key = jnp.broadcast_to(keys[:, None], (x.shape[0], x.shape[1], keys.shape[1]))
+    out, m = window_lib.band_sums(x, extended(by, 2, 0.0), extended(v1, 2, 0.0), has_key, window, right,
+                                  extended(runs, 1, NO_RUN))
+    return window_lib.band_part((out[:, :, window:window + l], m[:, :, window:window + l]), log_mix)
+
+
+def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n,
+                 window=0, band=None, log_mix=None):
     """One device's share: x, y pytrees of [B, H, Lc, ·], v [B, H, Lc, Dv], valid [B, Lc] and runs [B, Lc]
-    (the runs of the whole sequence: documents.runs before sharding) -> [B, H, Lc, Dv]."""
+    (the runs of the whole sequence: documents.runs before sharding) -> [B, H, Lc, Dv]. A sign-indefinite
+    kind (not `positive`; x and y arrays, the kernel's inputs) gets its floor over the whole sequence.
+    `window` > 0: the exact band (`band`: its inputs (x, y), `log_mix`: the learned mix) and the estimate
+    beyond it, as favor.attention.window."""
     me = jax.lax.axis_index(AXIS)
     v1 = ones_column(v)
-    lk, sk = key_map(ctx, y)
-    lk = jnp.where(valid[:, None, :, None], lk.astype(F32), NEG_INF)
-    first, last = runs[:, 0], runs[:, -1]
-    ahead = documents.summary(lk, sk, v1, runs == last[:, None], last)
-    init = _fold(_gather(ahead, first, last), me, n, before=True)
-    parts = [documents.causal_sums(query_map, key_map, ctx, x, y, v1, valid, runs, runs, chunk_size, path, span,
-                                   init)]
+    est = lambda gap, after: _estimate(query_map, key_map, ctx, x, y, v1, valid, runs, gap, n, after, chunk_size,
+                                       path, span)
+    gap = window + 1 if window else 0
+    parts = [_band(*band, v1, valid, runs, window, causal, n, log_mix)] if window else []
+    parts.append(est(gap, False))
     if not causal:
-        rfirst, rlast = documents.RUN_TOP - last, documents.RUN_TOP - first     # the reversed numbering
-        behind = documents.summary(lk, sk, v1, runs == first[:, None], rlast)
-        init = _fold(_gather(behind, rfirst, rlast), me, n, before=False)
-        parts.append(documents.after_sums(query_map, key_map, ctx, x, y, v1, valid, runs, chunk_size, path, span,
-                                          init=init))
+        parts.append(est(max(gap, 1), True))
     out, scale = combine(parts)
-    return ratio(out, positive, scale)
+    floor = None if positive else _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me)
+    return ratio(out, positive, scale, floor)
 
 
 def linear(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size=CAUSAL_CHUNK, path="auto",
-           span=None):
+           span=None, window=0, band=None, log_mix=None):
     """[B, H, L, Dv]: linear attention (causal or bidirectional, packed documents by `runs` or one per
-    row) over x, y, v whose L is split over the sequence axis of the current mesh."""
+    row; `window` > 0: the exact band of `band` = (x, y) inputs and the estimate beyond it) over x, y, v
+    whose L is split over the sequence axis of the current mesh."""
     n = axis_size()
     b, h, l = v.shape[:3]
     check_length(l, n)
+    if window and window + 1 > l // n:
+        raise ValueError(f"window={window}: the band crosses one device boundary at most, so mesh.sequence={n} "
+                         f"needs window + 1 ≤ L / {n} = {l // n} tokens per device")
     valid = jnp.ones((b, l), bool) if valid is None else jnp.asarray(valid, bool)
     runs = jnp.zeros((b, l), jnp.int32) if runs is None else runs
     seq = lambda a: P(None, None, AXIS)          # [B, H, L, ·]
-    fn = lambda x, y, v, valid, runs, ctx: linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive,
-                                                        causal, chunk_size, path, span, n)
+    fn = lambda x, y, v, valid, runs, ctx, band, log_mix: linear_shard(
+        query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n, window, band,
+        log_mix)
     mapped = jax.shard_map(fn, mesh=current_mesh(),
                            in_specs=(jax.tree.map(seq, x), jax.tree.map(seq, y), seq(v), P(None, AXIS),
-                                     P(None, AXIS), jax.tree.map(lambda _: P(), ctx)),
+                                     P(None, AXIS), jax.tree.map(lambda _: P(), ctx), jax.tree.map(seq, band),
+                                     jax.tree.map(lambda _: P(), log_mix)),
                            out_specs=seq(v), axis_names={AXIS}, check_vma=False)
-    return mapped(x, y, v, valid, runs, ctx)
+    return mapped(x, y, v, valid, runs, ctx, band, log_mix)
 
 
-def softmax(q, k, v, mask, runs, causal, scale):
+def softmax(q, k, v, mask, runs, causal, scale, window=0):
     """[B, L, H, Dv]: exact softmax with q, k, v [B, L, H, ·] split along L over the sequence axis, each
     device's queries against the keys and values all devices gathered (the baseline's communication:
-    the whole K and V to every device)."""
+    the whole K and V to every device); `window` > 0: the keys within `window` positions only."""
     n = axis_size()
     b, l = q.shape[:2]
     check_length(l, n)
@@ -163,9 +284,11 @@ def softmax(q, k, v, mask, runs, causal, scale):
         keys = lambda a: jax.lax.all_gather(a, AXIS, axis=1, tiled=True)
         k_all, v_all, mask_all, runs_all = keys(k), keys(v), keys(mask), keys(runs)
         allowed = mask_all[:, None, :] & (runs[:, :, None] == runs_all[:, None, :])             # [B, Lc, L]
+        rel = jnp.arange(l)[None, :] - (jax.lax.axis_index(AXIS) * lc + jnp.arange(lc))[:, None]     # j − i
         if causal:
-            rows = jax.lax.axis_index(AXIS) * lc + jnp.arange(lc)
-            allowed = allowed & (jnp.arange(l)[None, None, :] <= rows[None, :, None])
+            allowed = allowed & (rel <= 0)[None]
+        if window:
+            allowed = allowed & (jnp.abs(rel) <= window)[None]
         logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32), k_all.astype(F32)) * scale
         logits = jnp.where(allowed[:, None], logits, NEG_INF)
         top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))

@@ -82,7 +82,7 @@ def _off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_siz
     return causal_lib.causal_sums(query_map, key_map, ctx, x, y, _shift(v1, s, 0.0), valid, chunk_size, path, span)
 
 
-def _band(x, y, v1, has_key, left, right, runs=None):
+def band_sums(x, y, v1, has_key, left, right, runs=None):
     """Exact Σ_{i − left ≤ j ≤ i + right, key j valid} exp(x_iᵀy_j)[v_j, 1]: (out [B, H, L, Dv+1],
     log-scale [B, H, L], −inf where the band holds no valid key). x, y [B, H, L, D], has_key [B, H, L].
     out is on the scale's stopped value; the scale returned keeps its gradient (the row's band maximum,
@@ -134,7 +134,7 @@ def _combined_ratio(parts, positive, drop, floor):
     return ratio(out[:, :, drop:], positive, scale[:, :, drop:], floor)
 
 
-def _band_part(band, log_mix):
+def band_part(band, log_mix):
     """The band's (out, log-scale) as combine takes it: shared, its own scale (stopped: out is on it);
     learned (log_mix = log γ_h [H]), scale log γ_h − m_i in value, with m_i's gradient."""
     out, m = band
@@ -173,7 +173,7 @@ def attend(query_map, key_map, ctx, x, y, v, valid, positive, window, causal, ch
     b, h = y.shape[:2]
     has_key = jnp.broadcast_to((jnp.ones((1, l_k), bool) if valid is None else jnp.asarray(valid, bool))[:, None],
                                (b, h, l_k))
-    parts = [_band_part(_band(bx, by, v1, has_key, window, 0 if causal else window, runs), log_mix)]
+    parts = [band_part(band_sums(bx, by, v1, has_key, window, 0 if causal else window, runs), log_mix)]
     if window >= l_k - 1:      # every key of every query is on the band: exact softmax, no feature pass
         return _combined_ratio(parts, positive, l_k - l_q, floor)
     parts.append(_off_band_before(query_map, key_map, ctx, x, y, v1, valid, window, chunk_size, path, span, runs))
@@ -260,5 +260,5 @@ def decode_step(state, lq, sq, lk, sk, x, y, v, valid=None, positive=True, log_m
     p = jnp.exp(scores - finite_or(sg(m))[..., None])
     band = jnp.einsum("bhw,bhwd->bhd", p, ones_column(new["v"]))
     est = decoding.decode_read(lin, lq, sq)
-    out, scale = combine([est, _band_part((band, m), log_mix)])
+    out, scale = combine([est, band_part((band, m), log_mix)])
     return ratio(out, positive, scale, floor), new
