@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from favor import attention
@@ -404,3 +405,21 @@ def test_the_headline_is_generated_from_the_sections_raw_figures(tmp_path):
     assert "| [r1](#r1) | cpu (2 cores), jax 0.10.2 | 2 of 2 | – |" in md and md.count("headline:begin") == 1
     assert cli.main(["headline", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "BENCHMARKS.md").read_text() == md
+
+
+def test_bench_ratios_times_packed_documents(tmp_path):
+    """'+docs' entries run the layer over packed rows (segment ids of common.DOCUMENTS documents a row; a
+    data-dependent kind on statistics in either mode): the documents target set names each kind's packed
+    pass against its unpacked one, and a matmul of documents is refused."""
+    from favor.bench import common
+    seg = np.asarray(common.packed_segments(64))
+    assert seg.shape == (common.B, 64) and np.all(np.diff(seg, axis=1) >= 0)
+    assert [len(np.unique(row)) for row in seg] == [common.DOCUMENTS] * common.B
+    targets = "favor#/bidir+docs,favor#/bidir,3;favor+/causal+docs+grad,favor+/causal+grad,1.5"
+    cli.main(["ratios", "--length", "64", "--rounds", "2", "--out", str(tmp_path), "--targets", targets])
+    data = json.loads((tmp_path / "bench" / "attention-ratios.json").read_text())
+    assert set(data["times"]) == {"favor#/bidir+docs", "favor#/bidir", "favor+/causal+docs+grad", "favor+/causal+grad"}
+    assert all(r["ratio_of_minima"] > 0 for r in data["rows"])
+    assert ("favor+/causal+docs", "favor+/causal", 1.5) in ratios.TARGET_SETS["documents"]
+    with pytest.raises(ValueError, match="a matmul has no documents"):
+        ratios._entry("matmul:favor+/causal+docs")

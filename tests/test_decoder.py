@@ -55,6 +55,15 @@ def forward(model):
     return lambda ids, mask=None: run(state, ids, jnp.ones(ids.shape, bool) if mask is None else mask)
 
 
+def decoding(model, max_length):
+    """(prefill(ids), decode(token, position, caches)) of the model, each as one compiled program; eager,
+    each operation compiles on its own."""
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda state, ids: nnx.merge(graphdef, state).prefill(ids, max_length=max_length))
+    decode = jax.jit(lambda state, token, position, caches: nnx.merge(graphdef, state).decode(token, position, caches))
+    return (lambda ids: prefill(state, ids)), (lambda token, position, caches: decode(state, token, position, caches))
+
+
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_greedy_generation_equals_the_argmax_of_repeated_causal_passes(spec):
     """Prefill + token-by-token decoding gives, at every new token, the logits of a causal pass over the
@@ -132,12 +141,13 @@ def test_decoding_from_an_empty_prompt_equals_the_causal_pass(spec):
     """Decoder.prefill of no tokens leaves the empty state; decoding on from it gives the causal pass's
     logits at every position (the first token sees only itself)."""
     model = tiny(spec)
+    prefill, decode = decoding(model, 6)
     ids = jax.random.randint(jax.random.key(5), (2, 6), 0, VOCAB)
-    logits, caches = model.prefill(jnp.zeros((2, 0), jnp.int32), max_length=6)
+    logits, caches = prefill(jnp.zeros((2, 0), jnp.int32))
     assert logits.shape == (2, 0, VOCAB)
     full = np.asarray(forward(model)(ids))
     for t in range(6):
-        step, caches = model.decode(ids[:, t], jnp.asarray(t), caches)
+        step, caches = decode(ids[:, t], jnp.asarray(t), caches)
         np.testing.assert_allclose(np.asarray(step), full[:, t], rtol=1e-4, atol=1e-5, err_msg=f"{spec}: {t}")
 
 
@@ -147,14 +157,14 @@ def test_decoding_past_the_cache_or_the_learned_positions_is_nan_not_a_clamped_a
     plausible wrong answer; linear kinds with rotary positions have no such end."""
     ids = jax.random.randint(jax.random.key(6), (1, 4), 0, VOCAB)
     for spec, limit in (("softmax", 4), ("gpt2-favor+", 64)):
-        model = tiny(spec)
-        _, caches = model.prefill(ids, max_length=4)
-        inside, _ = model.decode(ids[:, -1], jnp.asarray(limit - 1), caches)
-        past, _ = model.decode(ids[:, -1], jnp.asarray(limit), caches)
+        prefill, decode = decoding(tiny(spec), 4)
+        _, caches = prefill(ids)
+        inside, _ = decode(ids[:, -1], jnp.asarray(limit - 1), caches)
+        past, _ = decode(ids[:, -1], jnp.asarray(limit), caches)
         assert np.all(np.isfinite(np.asarray(inside))) and np.all(np.isnan(np.asarray(past))), spec
-    model = tiny("favor+")
-    _, caches = model.prefill(ids, max_length=4)
-    assert np.all(np.isfinite(np.asarray(model.decode(ids[:, -1], jnp.asarray(100), caches)[0])))
+    prefill, decode = decoding(tiny("favor+"), 4)
+    _, caches = prefill(ids)
+    assert np.all(np.isfinite(np.asarray(decode(ids[:, -1], jnp.asarray(100), caches)[0])))
 
 
 def test_sampling_keeps_to_the_top_k_and_greedy_is_the_argmax():

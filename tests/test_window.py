@@ -14,6 +14,7 @@ from favor.attention import window as window_lib
 from test_attention import (calibration_stats, check_gradients_against_explicit, check_prefill, context_of, key_mask,
                             make, qkv)
 
+
 def _traced(a):
     return all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(a))
 
@@ -280,7 +281,7 @@ def test_the_learned_mix_weighs_the_band():
     causal pass, which sees its own key alone: the band's only key, so any γ gives v_0)."""
     attn = make("hedgehog", chunk_size=4, window=2, window_mix="learned", num_features=8)
     q, k, v = qkv(b=1, seed=8)
-    out = compiled(attn, q, k, v, causal=True, mix=jnp.asarray([-40.0, -40.0]))
+    out = attn(q, k, v, causal=True, mix=jnp.asarray([-40.0, -40.0]))
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(v[:, 0]), rtol=1e-5, atol=1e-6)
     # γ = e^-40: the band keys carry nothing wherever an off-band key exists: rows t ≥ 3 are the plain
     # linear attention over keys ≤ t − 3, written here from the map's float64 features
@@ -326,8 +327,8 @@ def test_learned_mix_decoding_equals_the_causal_pass(kind):
     d, l = 8, 9
     q, k, v = qkv(lq=l, lk=l, d=d, scale=1.5)
     valid = jnp.ones((2, l), bool).at[1, 3].set(False)
-    full = compiled(attn, q, k, v, mask=valid, causal=True, mix=MIX)
-    ctx = compiled(attn.decode_context, d)
+    full = attn(q, k, v, mask=valid, causal=True, mix=MIX)
+    ctx = attn.decode_context(d)
     step = jax.jit(lambda s, q, k, v, valid: attn.decode_step(s, q, k, v, ctx, valid=valid, mix=MIX))
     prefill = jax.jit(attn.decode_prefill)
     for p in (0, 2, 5):
@@ -344,9 +345,8 @@ def test_learned_mix_decoding_equals_the_causal_pass(kind):
     for path in ("fast", "exact"):
         a = make(kind, chunk_size=4, window=3, window_mix="learned", causal_path=path,
                  num_features=8 if kind != "favor+" else 16)
-        run = jax.jit(lambda q, k, v: a(q, k, v, causal=True, mix=MIX))
-        np.testing.assert_array_equal(np.asarray(run(q, k, v))[:, :t + 1],
-                                      np.asarray(run(q, k2, v2))[:, :t + 1], err_msg=path)
+        np.testing.assert_array_equal(np.asarray(a(q, k, v, causal=True, mix=MIX))[:, :t + 1],
+                                      np.asarray(a(q, k2, v2, causal=True, mix=MIX))[:, :t + 1], err_msg=path)
 
 
 def test_mix_errors_name_the_bad_value():

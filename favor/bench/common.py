@@ -10,6 +10,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from favor import attention, strings
 
@@ -107,11 +108,11 @@ def flop_twin(kind, opts, length, causal):
     return attention.get(kind, **{**opts, "chunk_size": length})
 
 
-def layer_fn(attn, causal, stats, grad):
+def layer_fn(attn, causal, stats, grad, segment_ids=None):
     """The benchmarked function of (q, k, v, rng): the layer's forward, or with `grad` its forward and
-    backward (d/d(q, k, v) of the outputs' sum)."""
+    backward (d/d(q, k, v) of the outputs' sum); `segment_ids` [B, L]: packed documents."""
     def f(q, k, v, rng):
-        out = lambda q, k, v: attn(q, k, v, causal=causal, rng=rng, stats=stats)
+        out = lambda q, k, v: attn(q, k, v, causal=causal, rng=rng, stats=stats, segment_ids=segment_ids)
         return jax.grad(lambda *a: jnp.sum(out(*a)), argnums=(0, 1, 2))(q, k, v) if grad else out(q, k, v)
     return f
 
@@ -131,16 +132,33 @@ def counted_flops(attn, twin, causal, args, stats, grad, flops):
     return flops if trace(twin) == trace(attn) else flops_of(twin, causal, *args, stats, grad=grad)
 
 
-def setup(spec, length, causal):
-    """(layer, its FLOP twin, (q, k, v, rng), stats) of one benchmarked kind."""
+def setup(spec, length, causal, documents=False):
+    """(layer, its FLOP twin, (q, k, v, rng), stats) of one benchmarked kind. `documents`: the rows are
+    packed documents (`packed_segments`), whose data-dependent fits read statistics in either mode."""
     kind, opts = kind_options(spec)
     attn = attention.get(kind, **opts)
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (0.5 * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3])
     # causal data-dependent kinds fit on statistics from outside the sequence (what a causal model's
     # running statistics give): fitted once here, outside the timed function
-    stats = attn.statistics(q, k) if causal and getattr(attn, "data_dependent", False) else None
+    fitted = (causal or documents) and getattr(attn, "data_dependent", False)
+    stats = attn.statistics(q, k) if fitted else None
     return attn, flop_twin(kind, opts, length, causal), (q, k, v, ks[3]), stats
+
+
+# packed rows for the documents entries: DOCUMENTS documents a row, of lengths drawn once (a seeded
+# geometric spread around L / DOCUMENTS, as a packer of real text makes them)
+DOCUMENTS = 8
+
+
+def packed_segments(length, documents=DOCUMENTS):
+    """segment ids [B, L] of `documents` documents a row (ids 0, 1, ...; the lengths' seed fixed)."""
+    if not 1 <= documents <= length:
+        raise ValueError(f"{documents} documents do not fit a row of {length} tokens")
+    weights = np.random.default_rng(0).exponential(size=(B, documents))
+    lengths = 1 + np.floor(weights / weights.sum(1, keepdims=True) * (length - documents)).astype(int)
+    lengths[:, -1] += length - lengths.sum(1)                  # every document ≥ 1 token, the row full
+    return jnp.asarray(np.stack([np.repeat(np.arange(documents), n) for n in lengths]), jnp.int32)
 
 
 def ints(parser, flag, text):

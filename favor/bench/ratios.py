@@ -7,8 +7,8 @@ import statistics
 
 from favor import attention, runtime
 from favor.bench import sections
-from favor.bench.common import (B, D, H, M, compile_fn, counted_flops, layer_fn, round_robin, setup,
-                                square_matmul)
+from favor.bench.common import (B, D, H, M, compile_fn, counted_flops, layer_fn, packed_segments, round_robin,
+                                setup, square_matmul)
 
 # The long-sequence speed targets, each "numerator : denominator ≤ target". An entry is kind/mode; "matmul:kind/mode"
 # is a square matmul with that entry's forward FLOP count (as in the attention table).
@@ -29,33 +29,47 @@ KIND_TARGETS = tuple((f"{k}/bidir{g}", f"favor+/bidir{g}", t) for g in ("", "+gr
 CAUSAL_KINDS = ("favor+", "simrf", "favor++", "favor#", "favor", "hrf", "relu", "elu")
 CAUSAL_TARGETS = (*((f"{k}/causal{g}", f"{k}/bidir{g}", 1.3) for g in ("", "+grad") for k in CAUSAL_KINDS),
                   *((f"{k}@64/causal{g}", f"{k}/causal{g}", 1.25) for g in ("", "+grad") for k in ("favor+", "favor#")))
-TARGET_SETS = {"long": TARGETS, "kinds": KIND_TARGETS, "causal": CAUSAL_TARGETS}
+# Packed documents ('+docs': rows of common.DOCUMENTS documents, segment ids) against the same rows as one
+# sequence, forward and forward+backward. Causal with documents carries each document's own references and
+# restarts (a pass with a few more reductions): ≤ 1.5; bidirectional with documents is two causal passes
+# (a state per document would need the documents' count, which only the data knows) against one
+# bidirectional pass: ≤ 3
+DOCUMENT_KINDS = ("favor+", "favor#", "favor", "relu", "softmax", "favor+@64")
+DOCUMENT_TARGETS = tuple((f"{k}/{m}+docs{g}", f"{k}/{m}{g}", 1.5 if m == "causal" else 3.0)
+                         for g in ("", "+grad") for m in ("causal", "bidir") for k in DOCUMENT_KINDS)
+TARGET_SETS = {"long": TARGETS, "kinds": KIND_TARGETS, "causal": CAUSAL_TARGETS, "documents": DOCUMENT_TARGETS}
 
 
 def _entry(text):
-    """'favor#/bidir' -> ('favor#', causal False, matmul False, grad False); the mode may end in '+grad'
-    (the forward and backward pass, as a training step runs it)."""
+    """'favor#/bidir' -> ('favor#', causal False, matmul False, grad False, docs False); the mode may end
+    in '+docs' (packed rows: common.packed_segments) and '+grad' (the forward and backward pass, as a
+    training step runs it)."""
     spec, _, mode = text.rpartition("/")
     grad = mode.endswith("+grad")
     mode = mode.removesuffix("+grad")
+    docs = mode.endswith("+docs")
+    mode = mode.removesuffix("+docs")
     if mode not in ("bidir", "causal") or not spec:
-        raise ValueError(f"ratio entry {text!r}: expected kind/bidir or kind/causal, optionally +grad (or "
-                         f"matmul:kind/mode)")
+        raise ValueError(f"ratio entry {text!r}: expected kind/bidir or kind/causal, optionally +docs and "
+                         f"+grad (or matmul:kind/mode)")
     matmul = spec.startswith("matmul:")
     kind = spec[len("matmul:"):] if matmul else spec
     try:
         attention.parse_spec(kind)
     except ValueError as e:
         raise ValueError(f"ratio entry {text!r}: {e}") from None
-    return kind, mode == "causal", matmul, grad
+    if matmul and docs:
+        raise ValueError(f"ratio entry {text!r}: a matmul has no documents")
+    return kind, mode == "causal", matmul, grad, docs
 
 
-def _forward(spec, length, causal, grad=False):
+def _forward(spec, length, causal, grad=False, docs=False):
     """(compiled forward — or forward and backward with `grad` —, its arguments, its FLOPs) of one kind,
-    set up as `measure` does."""
-    attn, twin, args, stats = setup(spec, length, causal)
-    compiled, _, flops = compile_fn(layer_fn(attn, causal, stats, grad), args)
-    return compiled, args, counted_flops(attn, twin, causal, args, stats, grad, flops)
+    set up as `measure` does; `docs`: over packed documents (FLOPs not counted: no matmul twin takes them)."""
+    attn, twin, args, stats = setup(spec, length, causal, docs)
+    segments = packed_segments(length) if docs else None
+    compiled, _, flops = compile_fn(layer_fn(attn, causal, stats, grad, segments), args)
+    return compiled, args, None if docs else counted_flops(attn, twin, causal, args, stats, grad, flops)
 
 
 def ratios(targets, length, rounds, seed=0):
@@ -66,12 +80,12 @@ def ratios(targets, length, rounds, seed=0):
     parsed = {e: _entry(e) for e in entries}
     programs, flops = {}, {}          # entry -> (function, arguments, factor on its time)
     for e in entries:
-        kind, causal, matmul, grad = parsed[e]
+        kind, causal, matmul, grad, docs = parsed[e]
         if not matmul:
-            fn, args, flops[e] = _forward(kind, length, causal, grad)
+            fn, args, flops[e] = _forward(kind, length, causal, grad, docs)
             programs[e] = (fn, args, 1.0)
     for e in entries:
-        kind, causal, matmul, grad = parsed[e]
+        kind, causal, matmul, grad, _ = parsed[e]
         if matmul:
             twin = e[len("matmul:"):]
             programs[e] = square_matmul(flops[twin] if twin in flops else _forward(kind, length, causal, grad)[2])
@@ -110,9 +124,10 @@ def add_parser(sub):
     r.add_argument("--rounds", type=int, default=15)
     r.add_argument("--targets", default="long",
                    help="a named set (long: the long-sequence speed targets; kinds: the kinds' costs at one "
-                        "width; causal: causal against bidirectional for every kind) or "
-                        "NUMERATOR,DENOMINATOR,TARGET;... with entries kind/bidir, kind/causal, either +grad "
-                        "(forward and backward), or matmul:kind/mode (default: %(default)s)")
+                        "width; causal: causal against bidirectional for every kind; documents: packed rows "
+                        "against one sequence) or NUMERATOR,DENOMINATOR,TARGET;... with entries kind/bidir, "
+                        "kind/causal, either +docs (packed documents) and +grad (forward and backward), or "
+                        "matmul:kind/mode (default: %(default)s)")
     r.add_argument("--out", default=".")
     r.add_argument("--section", default="attention-ratios")
 
