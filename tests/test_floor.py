@@ -79,10 +79,16 @@ def _passes(kind, q, k, v, mask, causal, chunk=4, **opts):
     """The layer's pass with its floor and the same pass without one (the plain ratio), and the rows
     whose estimated denominator is below the floor."""
     attn = _layer(kind, chunk, **opts)
-    ctx = attn.context(q, k, mask, jax.random.PRNGKey(1), None, mask, None, None, causal)
-    x, y = attn.inputs(q, k)
-    vv = _to_bhld(v)
-    fl = attn.floor(x, y, vv, mask, causal, ctx)
+
+    @jax.jit
+    def prepare(q, k, v, mask):
+        """As one compiled program; eager, each operation compiles on its own."""
+        ctx = attn.context(q, k, mask, jax.random.PRNGKey(1), None, mask, None, None, causal)
+        x, y = attn.inputs(q, k)
+        vv = _to_bhld(v)
+        return ctx, x, y, vv, attn.floor(x, y, vv, mask, causal, ctx)
+
+    ctx, x, y, vv, fl = prepare(q, k, v, mask)
     if causal:
         run = lambda f: causal_lib.causal_maps(attn.query_map, attn.key_map, ctx, x, y, vv, mask, False, chunk,
                                            "auto", None, f)
@@ -150,9 +156,9 @@ def test_decoding_applies_the_same_floor(kind):
     where some rows are floored."""
     q, k, v, _ = _inputs(3, b=1, l=12, scale=1.4)
     attn = _layer(kind)
-    full = np.asarray(attn(q, k, v, causal=True))
-    ctx = attn.decode_context(q.shape[-1])
-    state = attn.decode_init(1, q.shape[2], q.shape[-1], v.shape[-1])
+    full = np.asarray(jax.jit(lambda q, k, v: attn(q, k, v, causal=True))(q, k, v))     # one program, not op by op
+    ctx = jax.jit(lambda: attn.decode_context(q.shape[-1]))()
+    state = jax.jit(lambda: attn.decode_init(1, q.shape[2], q.shape[-1], v.shape[-1]))()
     outs = []
     step = jax.jit(attn.decode_step)           # one program a step, as generation runs it
     for t in range(q.shape[1]):
@@ -171,8 +177,9 @@ def test_hrf_rows_whose_lambda_is_one_do_not_cancel():
     k = (rng.normal(size=(b, l, h, d)) * 2.3).astype(np.float32)
     v = rng.normal(size=(b, l, h, 2)).astype(np.float32)
     attn = _layer("hrf")
-    full = np.asarray(attn(q, k, v, causal=True))
-    ctx, state, outs = attn.decode_context(d), attn.decode_init(b, h, d, 2), []
+    full = np.asarray(jax.jit(lambda q, k, v: attn(q, k, v, causal=True))(q, k, v))     # one program, not op by op
+    ctx, state = jax.jit(lambda: (attn.decode_context(d), attn.decode_init(b, h, d, 2)))()
+    outs = []
     step = jax.jit(attn.decode_step)           # one program a step, as generation runs it
     for t in range(l):
         out, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx)
@@ -190,7 +197,7 @@ def test_hrf_rows_whose_lambda_is_one_do_not_cancel():
     t = s(x, w.trig.omega)[:, None, :] - s(y, w.trig.omega)[None, :, :]
     trig = np.mean(np.cos(t), -1) * np.exp(norms)
     expect = lam * pos + (1 - lam) * trig
-    (lq, sq), (lk, sk) = attn.log_maps(q, k, ctx)
+    (lq, sq), (lk, sk) = jax.jit(attn.log_maps)(q, k, ctx)
     fq = np.exp(np.asarray(lq, np.float64)) * np.asarray(sq, np.float64)
     fk = np.exp(np.asarray(lk, np.float64)) * np.asarray(sk, np.float64)
     got = np.einsum("lf,mf->lm", fq[0, 0], fk[0, 0])
@@ -210,6 +217,8 @@ def test_identical_keys_give_the_mean_at_large_norms(kind, causal):
     mask = jnp.ones((b, l), bool).at[0, 5].set(False)
     attn = _layer(kind, chunk=8)
     run = jax.jit(lambda q, k, v: attn(q, k, v, mask=mask, causal=causal))
+    below = jax.jit(lambda q, k: attn.denominator_rows(q, k, mask, causal, attn.context(
+        q, k, mask, None, None, mask, None, None, causal))[1])         # one program, not op by op
     vmask = np.asarray(mask)[..., None, None]
     floored = 0
     for seed, norm in enumerate((8.0, 16.0, 24.0)):
@@ -225,8 +234,7 @@ def test_identical_keys_give_the_mean_at_large_norms(kind, causal):
             expect = np.broadcast_to(vv.sum(1, keepdims=True) / np.asarray(mask).sum(), vv.shape)
         out = np.asarray(run(q, k, v), np.float64)
         np.testing.assert_allclose(out, expect, atol=1e-4 * np.abs(vv).max(), rtol=0)
-        floored += int(np.asarray(attn.denominator_rows(q, k, mask, causal, attn.context(
-            q, k, mask, None, None, mask, None, None, causal))[1]).sum())
+        floored += int(np.asarray(below(q, k)).sum())
     assert floored > 0              # the rows the fix is about are among them
 
 
@@ -237,5 +245,5 @@ def test_a_floored_row_whose_plain_ratio_overflows_has_finite_gradients():
     fl = floor_lib.Floor(log=jnp.asarray([0.0]), mean=jnp.asarray([[0.5]]), low=jnp.asarray([[0.0]]),
                       high=jnp.asarray([[1.0]]), log_mass=jnp.asarray([3.0]))
     scale = jnp.asarray([0.0])
-    grad = jax.grad(lambda o: jnp.sum(floor_lib.floored_ratio(o, False, scale, fl) ** 2))(out)
+    grad = jax.jit(jax.grad(lambda o: jnp.sum(floor_lib.floored_ratio(o, False, scale, fl) ** 2)))(out)
     assert np.all(np.isfinite(np.asarray(grad))), grad

@@ -691,3 +691,44 @@ def test_the_document_reference_is_picked_exactly_by_low_precision_products(monk
     want = np.asarray(onehot) @ np.asarray(x, np.float64)
     assert np.max(np.abs(np.asarray(fused._pick(onehot, x)) - want)) <= 2.0 ** -23 * np.max(np.abs(want))
     assert np.max(np.abs(np.asarray(fused._dot(onehot, x)) - want)) > 2.0 ** -12 * np.max(np.abs(want))
+
+
+def test_a_document_pass_continues_from_the_carry_of_the_keys_before_it():
+    """The sequence cut at s (inside documents, at a chunk's start, at a document's start, mid-chunk): the
+    second part entering with the carry of the first part's last document (favor.attention.documents.
+    summary of its keys, as the sequence axis folds them) gives the whole pass's outputs and gradients,
+    the gradients reaching the first part's keys through the carry."""
+    args, docs = _doc_case(36)
+    xq, rq, pq, cq, xk, rk, pk, ck, v = (jnp.asarray(a, jnp.float32) for a in args[:9])
+    mask = jnp.asarray(args[9])
+    runs = documents.runs(jnp.asarray(docs, jnp.int32))
+    cut = (CHUNK16, *fused.tuning(True, fused.PRECISION)[1:])
+    l = xq.shape[2]
+    w = jnp.asarray(np.random.default_rng(37).standard_normal((2, 2, l, 3)), jnp.float32)
+    part = lambda a, lo, hi: a[:, :, lo:hi] if a.ndim >= 3 else a[:, lo:hi]
+
+    def passes(xq, xk, v, s):
+        pieces, carry = [], None
+        for lo, hi in ((0, s), (s, l)):
+            x = [part(a, lo, hi) for a in (xq, rq, xk, rk, v, mask, runs)]
+            pieces.append(fused.document_pass(x[0], x[1], pq, cq, x[2], x[3], pk, ck, x[4], x[5], x[6], x[6],
+                                              carry=carry, cut=cut)[0])
+            lk = jnp.einsum("bhld,hdf->bhlf", x[2], pk) + ck[None, :, None] + x[3][..., None]
+            keep = x[5] & (x[6] == x[6][:, -1:])
+            carry = documents.summary(jnp.where(x[5][:, None, :, None], lk, -jnp.inf), None,
+                                      jnp.concatenate([x[4], jnp.ones_like(x[4][..., :1])], -1), keep, x[6][:, -1])
+        return jnp.concatenate(pieces, 2)
+
+    run = jax.jit(lambda xq, xk, v, s: jax.value_and_grad(lambda *a: jnp.sum(w * passes(*a, s)), (0, 1, 2))(xq, xk, v),
+                  static_argnums=3)
+    whole = jax.jit(lambda xq, xk, v: jax.value_and_grad(lambda *a: jnp.sum(w * fused.document_pass(
+        a[0], rq, pq, cq, a[1], rk, pk, ck, a[2], mask, runs, runs, cut=cut)[0]), (0, 1, 2))(xq, xk, v))
+    _, want = whole(xq, xk, v)
+    for s in (40, 48, 64, 100):
+        _, got = run(xq, xk, v, s)
+        for name, a, b in zip(("xq", "xk", "v"), got, want):
+            err = float(np.max(np.abs(np.asarray(a - b))) / np.max(np.abs(np.asarray(b))))
+            assert err < 1e-5, (s, name, err)
+        out = jax.jit(passes, static_argnums=3)(xq, xk, v, s)
+        ref = jax.jit(lambda: fused.document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, mask, runs, runs, cut=cut)[0])()
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * np.max(np.abs(np.asarray(ref))))

@@ -152,6 +152,63 @@ def test_attention_split_over_the_sequence_axis_equals_the_unsplit_call(part):
     assert "mesh.sequence=4 must divide the sequence length; attention got L = 30" in errors["length"]
 
 
+FUSED_SCRIPT = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from favor import attention
+from favor.attention import fused, sequence
+mesh = jax.make_mesh((2, 4), ("data", "sequence"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+B, L, H, D = 2, 64, 2, 8
+ks = jax.random.split(jax.random.key(0), 4)
+q, k, v = (jax.random.normal(kk, (B, L, H, D)) for kk in ks[:3])
+lin = jax.random.normal(ks[3], (B, L, H, D))
+seg = np.zeros((B, L), np.int32); seg[0, 5:16] = 1; seg[0, 16:17] = 2; seg[0, 17:40] = 3; seg[0, 40:] = 4
+seg[1, 30:] = 1
+mask = np.ones((B, L), bool); mask[1, 44:] = False
+passes = {"n": 0}
+pass_ = fused.document_pass
+def counted(*a, **kw):
+    passes["n"] += 1
+    return pass_(*a, **kw)
+fused.document_pass = counted
+shard = sequence._fused_shard
+xla, kernel = attention.get("favor+", num_features=16), attention.get("favor+", num_features=16, impl="pallas")
+out = {}
+for scale, forced in ((2.0, True), (6.0, False)):
+    qs, ks_ = q.at[0, 17:40].multiply(scale), k.at[0, 17:40].multiply(scale)
+    # forced: the kernel's result even where a key exceeds its chunk form (the inputs at 2x have none); at 6x
+    # the fallback decides, the same on every device
+    sequence._fused_shard = (lambda *a: (shard(*a)[0], jnp.asarray(False))) if forced else shard
+    for causal in ((True, False) if forced else (True,)):
+        f = lambda a: (lambda q, k, v: a(q, k, v, mask=mask, causal=causal, rng=jax.random.key(1), segment_ids=seg))
+        both = lambda g: jax.jit(lambda q, k, v: (g(q, k, v), jax.grad(
+            lambda *x: jnp.sum(g(*x) * lin * mask[:, :, None, None]), argnums=(0, 1, 2))(q, k, v)))
+        ref, ref_g = both(f(xla))(qs, ks_, v)
+        with jax.set_mesh(mesh):
+            got, got_g = both(f(kernel))(qs, ks_, v)
+        m = mask[:, :, None, None]
+        err = float(np.max(np.abs(np.asarray(got - ref) * m)) / np.max(np.abs(np.asarray(ref))))
+        gerr = max(float(np.max(np.abs(np.asarray(a - b))) / np.max(np.abs(np.asarray(b)))) for a, b in zip(got_g, ref_g))
+        out[f"scale={scale} causal={causal}"] = {"out": err, "grad": gerr}
+print("RESULT" + json.dumps({"cases": out, "passes": passes["n"]}))
+"""
+
+
+def test_the_fused_kernel_runs_on_each_device_from_the_carry_of_the_others():
+    """impl='pallas' over the sequence axis: each device's fused document passes enter with the folded
+    carry of the other devices' keys (bidirectional: and the reversed pass over keys crossing from the next
+    device), equal to the unsplit XLA call in outputs and gradients, documents and padding crossing the
+    boundaries; the kernel's result itself (forced past the fallback, no key exceeding it at these norms),
+    and where a key exceeds the kernel's chunk form (a document at 6x) the XLA fallback, chosen the same way
+    on every device."""
+    result = _run(FUSED_SCRIPT, 8)
+    assert result["passes"] > 0, "the fused kernel was never traced"
+    assert len(result["cases"]) == 3
+    for key, r in result["cases"].items():
+        assert r["out"] < 2e-5, f"{key}: outputs off by {r['out']:.2e} relative"
+        assert r["grad"] < 5e-5, f"{key}: gradients off by {r['grad']:.2e} relative"
+
+
 TRAIN_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, ".")

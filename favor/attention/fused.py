@@ -351,7 +351,7 @@ def _bidir_dk_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, ug
 # Programs: one per (batch, head, block of features (TUNING), segment of the sequence). The features
 # are independent given the row's normaliser, so each block runs the passes above over its own features
 # with its own stabilisers; the forward pass combines the blocks' normalised outputs by their log-
-# denominators (a log-sum-exp, `_combine`), and the backward pass reads the combined normaliser and
+# denominators (a log-sum-exp, `combine_blocks`), and the backward pass reads the combined normaliser and
 # output. Splitting the features keeps each program's tiles and state ([64, Dv]) small enough for its
 # shared memory.
 #
@@ -417,6 +417,8 @@ def _spec(kind, shape, fb, seg, bcast=(False, False)):
         return pl.BlockSpec((None, None, None, fb), lambda b, h, g, s: (b, h, s, g))
     if kind == "seg_cols":
         return pl.BlockSpec((None, None, None, fb, shape[4]), lambda b, h, g, s: (b, h, s, g, 0))
+    if kind == "row_one":
+        return pl.BlockSpec((None, 1), lambda b, h, g, s: (b, 0))
     if kind == "chunk_feat":
         return pl.BlockSpec((None, None, shape[2] // seg, fb), lambda b, h, g, s: (b, h, s, g))
     raise ValueError(kind)
@@ -481,7 +483,7 @@ def _suffix(first, nxt, ug, ud):
             jnp.einsum("bhstf,bhtf->bhsf", w, ud, precision=HIGHEST))
 
 
-def _combine(o, lden):
+def combine_blocks(o, lden):
     """The blocks' outputs o [B, H, G, L, Dv], each normalised over its own features, and their log-
     denominators [B, H, G, L] (LOW: no mass) -> the output and the row's log-denominator over all features."""
     top = jnp.max(lden, axis=2, keepdims=True)
@@ -521,11 +523,11 @@ def _forward(ops, causal, c, fb, segs, interpret, launch, precision):
                   (cq, "const"), (pk, "proj"), (ck, "const"), (tin, "seg_feat"), (sin, "seg_cols"), (zin, "seg_feat")]
         outs = rows + [((b, h, n, f), "chunk_feat"), ((b, h, g, sk * c), "block")]
         o, lden, taus, amax = call(_causal_fwd_kernel, inputs, outs, (b, h, g, sk))
-        out, lden = _combine(o, lden)
+        out, lden = combine_blocks(o, lden)
         return out, lden, (taus, sin, zin), jnp.max(amax, axis=(2, 3))
     tau, t, z = _total(*states)
     inputs = [(xq, "rows"), (rq, "rows"), (pq, "proj"), (cq, "const"), (tau, "feat"), (t, "feat_cols"), (z, "feat")]
-    out, lden = _combine(*call(_bidir_fwd_kernel, inputs, rows, (b, h, g, sq)))
+    out, lden = combine_blocks(*call(_bidir_fwd_kernel, inputs, rows, (b, h, g, sq)))
     return out, lden, (tau, t, z), jnp.full((b, h), LOW, F32)
 
 
@@ -659,6 +661,13 @@ def _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w):
     return (seen, jnp.where(seen > 0, new, LOW), last), t, z
 
 
+def _entering(tin_ref, rin_ref):
+    """The carry entering the call (seen, τ, its document's run): keys before the sequence (another device's
+    of a sharded one); τ LOW where none."""
+    tau = tin_ref[...]
+    return jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, _at(rin_ref[...], 0)
+
+
 def _doc_chunk_inputs(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, rows, pq, cq, pk, ck):
     val = val_ref[rows] > 0
     lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
@@ -667,7 +676,7 @@ def _doc_chunk_inputs(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, 
 
 
 def _doc_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
-                    ck_ref, o_ref, lden_ref, tau_ref, amax_ref, *, c):
+                    ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, lden_ref, tau_ref, amax_ref, *, c):
     """`_causal_fwd_kernel` with documents; tau_ref [N, F] keeps the τ entering each chunk (LOW: the carried
     document has no valid key yet), which with the runs gives the backward pass every reference."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
@@ -694,9 +703,7 @@ def _doc_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, kr
         carry, t, z = _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w)
         return carry, t, z, jnp.maximum(amax, a)
 
-    f, dv = pk.shape[1], v_ref.shape[1]
-    start = (jnp.float32(0.0), jnp.full((f,), LOW, F32), jnp.int32(linear.NO_RUN))
-    init = (start, jnp.zeros((f, dv), F32), jnp.zeros((f,), F32), jnp.full((c,), LOW, F32))
+    init = (_entering(tin_ref, rin_ref), sin_ref[...], zin_ref[...], jnp.full((c,), LOW, F32))
     *_, amax = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
     amax_ref[...] = amax
 
@@ -719,7 +726,8 @@ def _doc_chunk(ins, pq, cq, pk, ck, i, c, crun):
 
 
 def _doc_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
-                   ck_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxq_ref, drq_ref, *, c):
+                   ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxq_ref,
+                   drq_ref, *, c):
     """∂l_q in sequence order, the carried state rebuilt as the forward pass built it."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
     ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
@@ -737,16 +745,18 @@ def _doc_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, kru
         (_, _, crun), t, z = _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w)
         return crun, t, z
 
-    f, dv = pk.shape[1], v_ref.shape[1]
-    init = (jnp.int32(linear.NO_RUN), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
+    init = (_entering(tin_ref, rin_ref)[2], sin_ref[...], zin_ref[...])
     jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
 
 
 def _doc_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
-                   ck_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxk_ref, drk_ref, dv_ref, *, c):
+                   ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxk_ref,
+                   drk_ref, dv_ref, ug_ref, ud_ref, *, c):
     """∂l_k and ∂v in reverse. Entering chunk i, U = Σ exp(l_q(i') + ρ − log den_i')[g_i', −δ_i'] over the
     queries of later chunks in the document of chunk i's last slot, on ρ = the τ entering chunk i + 1 (that
-    document's maximum through chunk i, which bounds its keys here); only that document's keys read it."""
+    document's maximum through chunk i, which bounds its keys here); only that document's keys read it.
+    What is left after chunk 0 is U of the entering carry's document on its τ: the carry's (T, z)
+    cotangent (ug_ref, ud_ref)."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
     ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
     n = _chunks(val_ref, c)
@@ -755,7 +765,7 @@ def _doc_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, kru
         ug, ud = state
         i = n - 1 - step
         # the run of the previous chunk's last slot: the document carried into this chunk
-        crun = jnp.where(i > 0, _at(krun_ref[_rows(jnp.maximum(i - 1, 0), c)], c - 1), linear.NO_RUN)
+        crun = jnp.where(i > 0, _at(krun_ref[_rows(jnp.maximum(i - 1, 0), c)], c - 1), rin)
         rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta = _doc_chunk(
             ins, pq, cq, pk, ck, i, c, crun)
         rho = jnp.where(i + 1 < n, tau_ref[jnp.minimum(i + 1, n - 1), :], 0.0)
@@ -775,14 +785,17 @@ def _doc_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, kru
         fc = jnp.where(reads[:, None], fr, 0.0)
         return (ug * keep[:, None] + _dot(fc, g, ta=True), ud * keep - jnp.sum(fc * delta[:, None], axis=0))
 
-    f, dv = pk.shape[1], v_ref.shape[1]
-    jax.lax.fori_loop(0, n, body, (jnp.zeros((f, dv), F32), jnp.zeros((f,), F32)))
+    rin = _entering(tin_ref, rin_ref)[2]
+    ug, ud = jax.lax.fori_loop(0, n, body, (jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32)))
+    ug_ref[...] = ug
+    ud_ref[...] = ud
 
 
 def _doc_inputs(ops):
-    xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck = ops
+    xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin = ops
     return [(xq, "rows"), (rq, "rows"), (xk, "rows"), (rk, "rows"), (v, "rows"), (val, "valid"), (qrun, "valid"),
-            (krun, "valid"), (pq, "proj"), (cq, "const"), (pk, "proj"), (ck, "const")]
+            (krun, "valid"), (pq, "proj"), (cq, "const"), (pk, "proj"), (ck, "const"), (tin, "feat"),
+            (sin, "feat_cols"), (zin, "feat"), (rin, "row_one")]
 
 
 def _doc_forward(ops, c, fb, interpret, launch, precision):
@@ -793,20 +806,24 @@ def _doc_forward(ops, c, fb, interpret, launch, precision):
             ((b, h, g, c), "block")]
     o, lden, taus, amax = _call(_doc_fwd_kernel, _doc_inputs(ops), outs, (b, h, g, 1), fb, interpret, launch,
                                 precision, c=c)
-    out, lden = _combine(o, lden)
+    out, lden = combine_blocks(o, lden)
     return out, lden, taus, jnp.max(amax, axis=(2, 3))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13, 14, 15, 16))
-def _doc_core(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, c, fb, interpret, launch, precision):
-    """(out, log-denominator, largest a_j) of a causal call with documents (one segment)."""
-    out, lden, _, amax = _doc_forward((xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck), c, fb, interpret,
-                                      launch, precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(16, 17, 18, 19, 20))
+def _doc_core(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin, c, fb, interpret, launch,
+              precision):
+    """(out, log-denominator, largest a_j) of a causal call with documents (one segment), entering with
+    the carry (tin [B, H, F] its τ, LOW where none; sin [B, H, F, Dv], zin [B, H, F] its sums on τ; rin [B, 1]
+    its document's run) of keys before the sequence; differentiable in the carry's sums."""
+    ops = (xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin)
+    out, lden, _, amax = _doc_forward(ops, c, fb, interpret, launch, precision)
     return out, lden, amax
 
 
-def _doc_core_fwd(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, c, fb, interpret, launch, precision):
-    ops = (xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck)
+def _doc_core_fwd(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin, c, fb, interpret, launch,
+                  precision):
+    ops = (xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin)
     out, lden, taus, amax = _doc_forward(ops, c, fb, interpret, launch, precision)
     return (out, lden, amax), (ops, out, lden, taus)
 
@@ -814,7 +831,7 @@ def _doc_core_fwd(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, c, fb, int
 def _doc_core_bwd(c, fb, interpret, launch, precision, residuals, cotangents):
     ops, out, lden, taus = residuals
     g, gl = cotangents[0].astype(F32), cotangents[1].astype(F32)
-    xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck = ops
+    xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin = ops
     b, h, l, dq = xq.shape
     dk, dv, f = xk.shape[3], v.shape[-1], pq.shape[-1]
     nb = f // fb
@@ -822,13 +839,15 @@ def _doc_core_bwd(c, fb, interpret, launch, precision, residuals, cotangents):
     call = functools.partial(_call, inputs=inputs, grid=(b, h, nb, 1), fb=fb, interpret=interpret, launch=launch,
                              precision=precision, c=c)
     dxq, drq = call(_doc_dq_kernel, outs=[((b, h, nb, l, dq), "block"), ((b, h, nb, l), "block")])
-    dxk, drk, dvv = call(_doc_dk_kernel, outs=[((b, h, nb, l, dk), "block"), ((b, h, nb, l), "block"),
-                                               ((b, h, nb, l, dv), "block")])
+    dxk, drk, dvv, dsin, dzin = call(_doc_dk_kernel, outs=[
+        ((b, h, nb, l, dk), "block"), ((b, h, nb, l), "block"), ((b, h, nb, l, dv), "block"),
+        ((b, h, f, dv), "feat_cols"), ((b, h, f), "feat")])
     dxq, drq, dxk, drk, dvv = (jnp.sum(p, axis=2) for p in (dxq, drq, dxk, drk, dvv))
     zero = lambda a: jnp.zeros_like(a)
     none = lambda a: np.zeros(a.shape, jax.dtypes.float0)       # integer inputs (the runs) take no cotangent
+    # the carry's τ is a stabiliser (its sums are on it): no cotangent of its own
     return (dxq.astype(xq.dtype), drq, dxk.astype(xk.dtype), drk, dvv.astype(v.dtype), zero(val), none(qrun),
-            none(krun), zero(pq), zero(cq), zero(pk), zero(ck))
+            none(krun), zero(pq), zero(cq), zero(pk), zero(ck), zero(tin), dsin, dzin, none(rin))
 
 
 _doc_core.defvjp(_doc_core_fwd, _doc_core_bwd)
@@ -853,7 +872,7 @@ def _pad_to(a, axis, size, value=0.0):
     return jnp.pad(a, pad, constant_values=value)
 
 
-def _heads(a, nd):
+def feature_params(a, nd):
     """Leading dims of a parameter right-aligned to (batch, head): [.., X] -> [Bp, Hp, X...]."""
     lead = a.ndim - nd
     if lead > 2:
@@ -866,8 +885,8 @@ def _padded_map(x, r, p, c, lp, fp):
     inputs and projection rows: exact), features to fp (PAD_FEATURE), parameters with (batch, head) dims."""
     dp = _pow2(x.shape[-1])
     return (_pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp), _pad_to(r.astype(F32), 2, lp),
-            _pad_to(_pad_to(_heads(p.astype(F32), 2), 2, dp), 3, fp),
-            _pad_to(_heads(c.astype(F32), 1), 2, fp, PAD_FEATURE))
+            _pad_to(_pad_to(feature_params(p.astype(F32), 2), 2, dp), 3, fp),
+            _pad_to(feature_params(c.astype(F32), 1), 2, fp, PAD_FEATURE))
 
 
 def _padded_values(v, valid, lp):
@@ -937,48 +956,62 @@ def _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, interpret
     pass over the reversed sequence with its keys shifted by one slot (so each query sees the keys after
     it), combined by their log-denominators: what favor.attention.documents does on XLA, as a state per
     document would need the documents' count, which only the data knows."""
-    chunk, block, *launch = cut or tuning(True, precision)
     b, h, l, _ = xq.shape
-    dv = v.shape[-1]
     if xk.shape[2] != l or runs.shape != (b, l):
         raise ValueError(f"the fused kernel with documents needs Lq = Lk and runs [B, L] = {(b, l)}; got Lq = "
                          f"{l}, Lk = {xk.shape[2]}, runs {tuple(runs.shape)}")
     runs = jnp.asarray(runs, jnp.int32)
     valid = jnp.ones((b, l), bool) if valid is None else jnp.asarray(valid, bool)
-    fp = _feature_width(pq.shape[-1], block)
-    c = min(_pow2(chunk), _pow2(l))
-    lp = -(-l // c) * c
-    fb = min(block, fp)
-
-    one = functools.partial(_doc_pass, pq=pq, cq=cq, pk=pk, ck=ck, cut=(c, fp, fb, tuple(launch)),
-                            interpret=interpret, precision=precision)
-    out, lden, amax = one(xq, rq, xk, rk, v, valid, runs, runs)
+    one = functools.partial(document_pass, pq=pq, cq=cq, pk=pk, ck=ck, interpret=interpret, precision=precision,
+                            cut=cut)
+    out, lden, exceeded = one(xq, rq, xk=xk, rk=rk, v=v, valid=valid, qrun=runs, krun=runs)
     if causal:
-        return out, amax > EXCEEDANCE
+        return out, exceeded
     flip = lambda a, axis=2: jnp.flip(a, axis=axis)
     # slot j of the reversed pass holds reversed key j − 1 (slot 0 no key): causal j ≤ i is then "after i"
     shift = lambda a, axis=2: jax.lax.slice_in_dim(_pad_front(a, axis), 0, l, axis=axis)
     back = documents.reversed_runs(runs)
-    out2, lden2, amax2 = one(flip(xq), flip(rq), shift(flip(xk)), shift(flip(rk)), shift(flip(v)),
-                             shift(flip(valid, 1), 1), back, documents.shifted_runs(back, 1))
-    out, _ = _combine(jnp.stack([out, flip(out2)], 2), jnp.stack([lden, flip(lden2)], 2))
-    return out, jnp.maximum(amax, amax2) > EXCEEDANCE
+    out2, lden2, exceeded2 = one(flip(xq), flip(rq), xk=shift(flip(xk)), rk=shift(flip(rk)), v=shift(flip(v)),
+                                 valid=shift(flip(valid, 1), 1), qrun=back, krun=documents.shifted_runs(back, 1))
+    out, _ = combine_blocks(jnp.stack([out, flip(out2)], 2), jnp.stack([lden, flip(lden2)], 2))
+    return out, exceeded | exceeded2
 
 
-def _doc_pass(xq, rq, xk, rk, v, valid, qrun, krun, pq, cq, pk, ck, cut, interpret, precision):
-    """(out [B, H, L, Dv], log-denominator [B, H, L], largest a_j [B, H]) of one causal pass of the document
-    kernels, the inputs padded to the kernels' shapes and back; cut (chunk, padded F, feature block,
-    launch)."""
-    c, fp, fb, launch = cut
-    l, dv = xq.shape[2], v.shape[-1]
+def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=None, interpret=None, precision=None,
+                  cut=None):
+    """One causal pass of the document kernels: query i sees the keys j ≤ i with krun_j = qrun_i (shapes as
+    in `attend`, Lq = Lk; qrun, krun [B, L] int32 runs, non-decreasing), entering with `carry`, the
+    state of keys before the sequence as favor.attention.documents.summary gives it — (seen [B, H],
+    τ [B, H, F], T [B, H, F, Dv + 1] on τ, run [B]) — or None. Returns (out [B, H, L, Dv] float32,
+    log-denominator [B, H, L] (LOW: no key), exceeded [B, H] as `attend`'s). Differentiable in xq, rq, xk,
+    rk, v and the carry's T (its τ is a stabiliser)."""
+    precision = _precision(precision)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    chunk, block, *launch = cut or tuning(True, precision)
+    b, h, l, _ = xq.shape
+    dv, f = v.shape[-1], pq.shape[-1]
+    fp = _feature_width(f, block)
+    c = min(_pow2(chunk), _pow2(l))
     lp = -(-l // c) * c
     xq, rq, pq, cq = _padded_map(xq, rq, pq, cq, lp, fp)
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lp, fp)
     v, valid = _padded_values(v, valid, lp)
+    dvp = v.shape[-1]
     qrun, krun = (_pad_to(jnp.asarray(r, jnp.int32), 1, lp, linear.NO_RUN) for r in (qrun, krun))
+    if carry is None:
+        tin, sin = jnp.full((b, h, fp), LOW, F32), jnp.zeros((b, h, fp, dvp), F32)
+        zin, rin = jnp.zeros((b, h, fp), F32), jnp.full((b, 1), linear.NO_RUN, jnp.int32)
+    else:
+        seen, tau, total, run = carry
+        tin = _pad_to(jnp.where(seen[..., None], jax.lax.stop_gradient(tau).astype(F32), LOW), 2, fp, LOW)
+        sin = _pad_to(_pad_to(total[..., :dv].astype(F32), 3, dvp), 2, fp)
+        zin = _pad_to(total[..., dv].astype(F32), 2, fp)
+        rin = jnp.asarray(run, jnp.int32)[:, None]
     params = (jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck))
-    out, lden, amax = _doc_core(xq, rq, xk, rk, v, valid, qrun, krun, *params, c, fb, interpret, launch, precision)
-    return out[:, :, :l, :dv], lden[:, :, :l], amax
+    out, lden, amax = _doc_core(xq, rq, xk, rk, v, valid, qrun, krun, *params, tin, sin, zin, rin, c, min(block, fp),
+                                bool(interpret), tuple(launch), precision)
+    return out[:, :, :l, :dv], lden[:, :, :l], amax > EXCEEDANCE
 
 
 def _pad_front(a, axis):

@@ -365,12 +365,21 @@ class FeatureAttention(Attention, abc.ABC):
             refuse_sequence_axis(self.name, f"queries and keys differ in length ({q.shape[1]}, {k.shape[1]})")
         x, y = self.inputs(q, k)
         path = "exact" if "exact" in (self._window_path(), self.causal_path) else (self.causal_path if causal else "auto")
-        window = {}
+        extra = {}
         if self.window:
-            window = {"window": self.window, "band": self.band_inputs(q, k), "log_mix": self._log_mix(mix, q.shape[2])}
+            extra = {"window": self.window, "band": self.band_inputs(q, k), "log_mix": self._log_mix(mix, q.shape[2])}
+        if self.sequence_fused():
+            forms = lambda ctx, x, y: (self.mech.query_log_linear(x, ctx.draw, ctx.params),
+                                       self.mech.key_log_linear(y, ctx.draw, ctx.params))
+            extra = {"fused": {"forms": forms, "precision": self.kernel_precision}}
         out = sequence.linear(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, runs, self.positive, causal,
-                              self.chunk_size or causal_lib.CAUSAL_CHUNK, path, self.causal_span, **window)
+                              self.chunk_size or causal_lib.CAUSAL_CHUNK, path, self.causal_span, **extra)
         return _to_bhld(out).astype(v.dtype)
+
+    def sequence_fused(self):
+        """Whether a call over the sequence axis runs the fused kernel on each device: impl='pallas' only
+        ('auto' runs XLA there: the kernel's sharded speed is not measured)."""
+        return False
 
     def plain_maps(self, ctx, x, y):
         """(φ_q, φ_k) themselves, not in log space: what causal_lib.causal_plain takes for a kind without
@@ -782,11 +791,20 @@ class RandomFeatureAttention(FeatureAttention):
             least = AUTO_FUSED.get(jax.default_backend(), {}).get("causal" if causal else "bidirectional")
             if least is None or k.shape[1] < least or self.fused_unavailable():
                 return False
+        self._check_backend()
+        return not (causal and q.shape[1] != k.shape[1])
+
+    def _check_backend(self):
         if jax.default_backend() not in fused.BACKENDS:
             raise ValueError(f"{self.name}: impl='pallas' runs on {' and '.join(fused.BACKENDS)} (the kernel "
                              f"lowers through Triton, and interpret mode on CPU), not on "
                              f"{jax.default_backend()}; impl='xla' runs there")
-        return not (causal and q.shape[1] != k.shape[1])
+
+    def sequence_fused(self):
+        if not self.impl.startswith("pallas"):
+            return False
+        self._check_backend()
+        return True
 
     def _fused_call(self, q, k, v, mask, causal, ctx, runs=None):
         x, y = self.scaled(q, k)
@@ -812,10 +830,6 @@ class RandomFeatureAttention(FeatureAttention):
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,
                  stats=None, mix=None, segment_ids=None):
         if segment_ids is not None or sequence.axis_size() > 1:
-            if self.impl.startswith("pallas") and sequence.axis_size() > 1:
-                raise ValueError(f"{self.name}: impl={self.impl!r} runs without mesh.sequence="
-                                 f"{sequence.axis_size()} (the fused kernel takes no carry from other devices "
-                                 "yet); impl='auto' or 'xla' runs it")
             if segment_ids is not None and self.data_dependent and stats is None and draw is None:
                 # the fit reads statistics of each row's tokens: on a packed row, of every document in it
                 raise ValueError(f"{self.name} fits its feature map to each row's tokens, so with segment_ids "

@@ -16,7 +16,9 @@ one device. A window (favor.attention.window): the band reads the `window` neare
 neighbouring devices (a ppermute of those rows), and the estimate beyond it runs the same fold over keys
 moved w + 1 positions, the rows crossing a boundary taken from the neighbour. The sign-indefinite kinds'
 floor (favor.attention.floor) all-gathers each device's per-document reductions (sums, extremes, counts)
-and folds them the same way. Softmax, the baseline: an all-gather of the keys, values and their masks.
+and folds them the same way. With impl='pallas' each device runs the fused kernel's document passes
+(favor.attention.fused.document_pass) from the same folded carry. Softmax, the baseline: an all-gather of
+the keys, values and their masks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from favor.attention import documents, window as window_lib
+from favor.attention import documents, fused as fused_lib, window as window_lib
 from favor.attention.causal import CAUSAL_CHUNK
 from favor.attention.floor import STAT_OPS, document_stats, floor_of, log_norm_bounds, ratio, whole_document
 from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, ones_column, sg
@@ -223,13 +225,55 @@ def _band(bx, by, v1, valid, runs, window, causal, n, log_mix):
     return window_lib.band_part((out[:, :, window:window + l], m[:, :, window:window + l]), log_mix)
 
 
+def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision):
+    """(out [B, H, Lc, Dv], exceeded: a scalar, the same on every device) of the fused kernel's document
+    passes (favor.attention.fused.document_pass) over one device's tokens, each entering with the carry
+    of the other devices' keys: their log-features (forms(ctx, x, y): the kind's log-linear forms) reduced
+    per device to its last document's state, all-gathered and folded as the XLA pass does; bidirectional
+    adds the reversed pass over keys moved one position earlier, combined by the log-denominators."""
+    me = jax.lax.axis_index(AXIS)
+    (xq, rq, pq, cq), (xk, rk, pk, ck) = forms(ctx, x, y)
+    pk, ck = sg(fused_lib.feature_params(pk, 2)), sg(fused_lib.feature_params(ck, 1))
+
+    def carry(xk, rk, v, valid, krun, before):
+        lk = jnp.matmul(xk.astype(F32), pk) + ck[:, :, None, :] + rk[..., None].astype(F32)
+        lk = jnp.where(valid[:, None, :, None], lk, NEG_INF)
+        first, last = krun[:, 0], krun[:, -1]
+        state = documents.summary(lk, None, ones_column(v), krun == last[:, None], last)
+        return _fold(_gather(state, first, last), me, n, before)
+
+    def run(xq, rq, xk, rk, v, valid, qrun, krun, before):
+        return fused_lib.document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun,
+                                       carry(xk, rk, v, valid, krun, before), precision=precision)
+
+    out, lden, exceeded = run(xq, rq, xk, rk, v, valid, runs, runs, True)
+    if not causal:
+        # keys j ≥ i + 1: moved one position earlier (the next device's first key crossing over), reversed
+        move = lambda a, axis, fill: _moved(a, 1, n, axis, fill, earlier=True)
+        flip = lambda a: jnp.flip(a, axis=2)
+        keys = [flip(move(a, 2, 0.0)) for a in (xk, rk, v)]
+        krun = documents.reversed_runs(move(runs, 1, documents.RUN_TOP - NO_RUN))
+        back, lden_back, exceeded_back = run(flip(xq), flip(rq), *keys, jnp.flip(move(valid, 1, False), axis=1),
+                                             documents.reversed_runs(runs), krun, False)
+        out, _ = fused_lib.combine_blocks(jnp.stack([out, flip(back)], 2), jnp.stack([lden, flip(lden_back)], 2))
+        exceeded = exceeded | exceeded_back
+    # one decision for every device: the fallback's collectives need all of them in the same branch
+    return out, jax.lax.pmax(jnp.any(exceeded).astype(jnp.int32), AXIS) > 0
+
+
 def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n,
-                 window=0, band=None, log_mix=None):
+                 window=0, band=None, log_mix=None, fused=None):
     """One device's share: x, y pytrees of [B, H, Lc, ·], v [B, H, Lc, Dv], valid [B, Lc] and runs [B, Lc]
     (the runs of the whole sequence: documents.runs before sharding) -> [B, H, Lc, Dv]. A sign-indefinite
     kind (not `positive`; x and y arrays, the kernel's inputs) gets its floor over the whole sequence.
     `window` > 0: the exact band (`band`: its inputs (x, y), `log_mix`: the learned mix) and the estimate
-    beyond it, as favor.attention.window."""
+    beyond it, as favor.attention.window. `fused` {"forms", "precision"}: the fused kernel (`_fused_shard`),
+    this XLA pass where a key exceeds the kernel's chunk form on any device."""
+    if fused is not None:
+        out, exceeded = _fused_shard(fused["forms"], ctx, x, y, v, valid, runs, causal, n, fused["precision"])
+        xla = lambda: linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path,
+                                   span, n).astype(F32)
+        return jax.lax.cond(exceeded, xla, lambda: out)
     me = jax.lax.axis_index(AXIS)
     v1 = ones_column(v)
     est = lambda gap, after: _estimate(query_map, key_map, ctx, x, y, v1, valid, runs, gap, n, after, chunk_size,
@@ -245,10 +289,10 @@ def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal
 
 
 def linear(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size=CAUSAL_CHUNK, path="auto",
-           span=None, window=0, band=None, log_mix=None):
+           span=None, window=0, band=None, log_mix=None, fused=None):
     """[B, H, L, Dv]: linear attention (causal or bidirectional, packed documents by `runs` or one per
-    row; `window` > 0: the exact band of `band` = (x, y) inputs and the estimate beyond it) over x, y, v
-    whose L is split over the sequence axis of the current mesh."""
+    row; `window` > 0: the exact band of `band` = (x, y) inputs and the estimate beyond it; `fused`: the
+    fused kernel, `linear_shard`) over x, y, v whose L is split over the sequence axis of the current mesh."""
     n = axis_size()
     b, h, l = v.shape[:3]
     check_length(l, n)
@@ -260,7 +304,7 @@ def linear(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chun
     seq = lambda a: P(None, None, AXIS)          # [B, H, L, ·]
     fn = lambda x, y, v, valid, runs, ctx, band, log_mix: linear_shard(
         query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n, window, band,
-        log_mix)
+        log_mix, fused)
     mapped = jax.shard_map(fn, mesh=current_mesh(),
                            in_specs=(jax.tree.map(seq, x), jax.tree.map(seq, y), seq(v), P(None, AXIS),
                                      P(None, AXIS), jax.tree.map(lambda _: P(), ctx), jax.tree.map(seq, band),
