@@ -53,17 +53,26 @@ def test_feature_shapes_and_batch_broadcast(name):
     rng = np.random.default_rng(0)
     x = jnp.asarray(0.3 * rng.standard_normal((2, 3, 5, 4)), jnp.float32)
     y = jnp.asarray(0.3 * rng.standard_normal((2, 3, 6, 4)), jnp.float32)
-    p = mech.fit(x, y)
-    w = mech.draw(jax.random.PRNGKey(1), 8, p)
-    fx, fy = mech.query_features(x, w, p), mech.key_features(y, w, p)
+
+    @jax.jit               # one program, not an eager compile per operation
+    def features(x, y):
+        p = mech.fit(x, y)
+        w = mech.draw(jax.random.PRNGKey(1), 8, p)
+        return p, w, mech.query_features(x, w, p), mech.key_features(y, w, p)
+    p, w, fx, fy = features(x, y)
     f = mech.feature_dim(8)
     assert fx.shape == (2, 3, 5, f) and fy.shape == (2, 3, 6, f)
     if name in ("poisson", "poisson+", "geometric", "geometric+"):
         return   # their draws depend on per-slice rates; the slice check below needs a shared draw
-    p1 = mech.fit(x[1, 2], y[1, 2])
     w1 = jax.tree.map(lambda a: a[1, 2] if a.ndim > 2 else a, w)
-    np.testing.assert_allclose(mech.query_features(x[1, 2], w1, p1), fx[1, 2], rtol=2e-4, atol=1e-6)
-    np.testing.assert_allclose(mech.key_features(y[1, 2], w1, p1), fy[1, 2], rtol=2e-4, atol=1e-6)
+
+    @jax.jit
+    def slice_features(x1, y1, w1):
+        p1 = mech.fit(x1, y1)
+        return mech.query_features(x1, w1, p1), mech.key_features(y1, w1, p1)
+    fx1, fy1 = slice_features(x[1, 2], y[1, 2], w1)
+    np.testing.assert_allclose(fx1, fx[1, 2], rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(fy1, fy[1, 2], rtol=2e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", DATA_DEPENDENT)
@@ -103,11 +112,16 @@ def test_positivity_where_claimed_and_finite_at_large_norms(name):
     x *= np.linspace(1.0, 10.0, 6)[:, None] / np.linalg.norm(x, axis=1, keepdims=True)
     y *= np.linspace(1.0, 10.0, 5)[:, None] / np.linalg.norm(y, axis=1, keepdims=True)
     x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
-    p = mech.fit(x, y)
-    w = mech.draw(jax.random.PRNGKey(3), 32, p, coupling="iid")
-    (lx, sx), (ly, sy) = mech.query_log_features(x, w, p), mech.key_log_features(y, w, p)
+
+    @jax.jit               # one program, not an eager compile per operation
+    def features(x, y):
+        p = mech.fit(x, y)
+        w = mech.draw(jax.random.PRNGKey(3), 32, p, coupling="iid")
+        return (mech.query_log_features(x, w, p), mech.key_log_features(y, w, p),
+                mech.query_features(x, w, p), mech.key_features(y, w, p))
+    (lx, sx), (ly, sy), fx, fy = features(x, y)
     assert np.all(np.isfinite(np.asarray(lx))) and np.all(np.isfinite(np.asarray(ly)))
-    fx, fy = np.asarray(mech.query_features(x, w, p)), np.asarray(mech.key_features(y, w, p))
+    fx, fy = np.asarray(fx), np.asarray(fy)
     assert np.all(np.isfinite(fx)) and np.all(np.isfinite(fy))
     if mech.positive:
         # positive by construction: no sign, finite log-features (exp may underflow at ||x|| = 10;
@@ -198,8 +212,8 @@ def test_layer_moments_equal_the_moments_of_each_head(full):
     xm = rng.random((b, lx)) > 0.3
     ym = rng.random((b, ly)) > 0.3
     ym[2] = False
-    m = stats.layer_moments(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), jnp.asarray(xm),
-                            jnp.asarray(ym), full=full)
+    m = jax.jit(lambda *a: stats.layer_moments(*a, full=full))(      # one program, not op by op
+        jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), jnp.asarray(xm), jnp.asarray(ym))
     for bi in range(b):
         for hi in range(h):
             for u, mask, mean, second in ((x, xm, m.mean_x, m.second_x), (y, ym, m.mean_y, m.second_y)):

@@ -32,15 +32,17 @@ q = q.at[0, 17:40].multiply(6.0); k = k.at[0, 17:40].multiply(6.0)
 # one case per path the axis takes: exponential features (one span per device; several, with a window of
 # 2 whose band and shifted keys cross the boundaries, and the learned mix), exact-zero features (ReLU: the
 # exact log-space path), a learned map, softmax's gathered keys (and its band), and a sign-indefinite kind
-# (trig: the floor's statistics are carried across devices; they are compared on their own below, with 8
-# features, where most rows' estimates fall below the floor). Trig runs without the 6x document: its
+# (trig, and with a window, whose floor counts the rounding mass off the band only: the floor's statistics
+# are carried across devices; they are compared on their own below, with 8 features, where most rows'
+# estimates fall below the floor). Trig runs without the 6x document: its
 # estimate there cancels to ~1e-4 of float32 rounding in any order of summation, split or not
 cases = [("favor+", {}), ("favor+", {"window": 2, "window_mix": "learned", "chunk_size": 4, "causal_span": 8}),
-         ("relu", {}), ("hedgehog", {}), ("softmax", {}), ("softmax", {"window": 2}), ("favor", {})]
+         ("relu", {}), ("hedgehog", {}), ("softmax", {}), ("softmax", {"window": 2}), ("favor", {}),
+         ("favor", {"window": 2})]
 # two halves, one per process (the test's two parts run side by side); the second also checks the floor's
 # statistics and the errors
 part = int(sys.argv[1])
-cases = cases[:3] if part == 0 else cases[3:]
+cases = cases[:4] if part == 0 else cases[4:]
 out = {}
 for name, opts in cases:
     attn = attention.get(name, **opts)
@@ -70,15 +72,18 @@ attn = attention.get("favor", num_features=8)
 x, y = attn.inputs(q, k)
 vv = jnp.swapaxes(v, 1, 2)
 floors = {}
-for causal in ((True, False) if part else ()):
+# each mode with and without documents, and a window's gap (its off-band rounding mass) with documents
+for causal, segs, gap in ([(c, s, 0) for c in (True, False) for s in (None, seg)] + [(c, seg, 3) for c in (True, False)]
+                          if part else []):
     ctx = attn.context(q, k, mask, jax.random.key(1), None, None, None, None, causal)
-    for segs in (None, seg):
+    if True:
         runs = documents.runs(jnp.asarray(segs if segs is not None else np.zeros((B, L), np.int32)))
         def unsplit(x, y, v):
             norms = tuple(floor_lib.log_norm_bounds(*m(ctx, a)) for m, a in ((attn.query_map, x), (attn.key_map, y)))
-            return floor_lib.jensen_floor(x, y, v, mask, causal, norms, None if segs is None else runs)
+            return floor_lib.jensen_floor(x, y, v, mask, causal, norms, None if segs is None else runs, gap)
         shard = lambda x, y, v, valid, runs: sequence._floor_shard(attn.query_map, attn.key_map, ctx, x, y, v, valid,
-                                                                   runs, causal, 4, jax.lax.axis_index("sequence"))
+                                                                   runs, causal, 4, jax.lax.axis_index("sequence"),
+                                                                   gap)
         rows = P(None, None, "sequence")
         split = lambda x, y, v: jax.shard_map(shard, mesh=mesh, in_specs=(rows, rows, rows, P(None, "sequence"),
                                                                           P(None, "sequence")),
@@ -101,10 +106,10 @@ for causal in ((True, False) if part else ()):
             fin = np.isfinite(b)
             worst = max(worst, float(np.max(np.abs(a - b)[fin]) / max(np.max(np.abs(b[fin])), 1e-30)))
         grad = max(float(np.max(np.abs(np.asarray(a - b))) / np.max(np.abs(np.asarray(b)))) for a, b in zip(got_g, want_g))
-        floors[f"causal={causal} documents={segs is not None}"] = (worst, grad)
+        floors[f"causal={causal} documents={segs is not None} gap={gap}"] = (worst, grad)
 errors = {}
 with jax.set_mesh(mesh):
-    for name, opts in ((("favor", {"window": 2}), ("favor+", {"window": 16})) if part else ()):
+    for name, opts in ((("favor+", {"window": 16}),) if part else ()):
         try:
             jax.jit(lambda q: attention.get(name, **opts)(q, q, q, causal=True, rng=jax.random.key(1)))(q)
         except ValueError as e:
@@ -134,8 +139,11 @@ def test_attention_split_over_the_sequence_axis_equals_the_unsplit_call(part):
     assert result["cases"]
     for key, r in result["cases"].items():
         assert r["collective"], f"{key}: no collective in the program (the axis was not used)"
-        assert r["out"] < 2e-5, f"{key}: outputs off by {r['out']:.2e} relative"
-        assert r["grad"] < 5e-5, f"{key}: gradients off by {r['grad']:.2e} relative"
+        # a sign-indefinite kind's sums cancel, which amplifies float32 rounding in any order of summation
+        # (tests/test_documents.py's RTOL_SIGNED: 2e-4 of the ratio's condition, for the same reason)
+        out_bound, grad_bound = (2e-4, 2e-4) if key.startswith("favor{") else (2e-5, 5e-5)
+        assert r["out"] < out_bound, f"{key}: outputs off by {r['out']:.2e} relative"
+        assert r["grad"] < grad_bound, f"{key}: gradients off by {r['grad']:.2e} relative"
     # the floor's statistics on their own: where a row's estimate sits at the floor's bound, float32 rounding
     # (not the same in the split and unsplit programs) picks the floored or the plain branch, which differ
     # there by the floor's rounding allowance, so rows at the bound are no measure of the statistics
@@ -144,10 +152,8 @@ def test_attention_split_over_the_sequence_axis_equals_the_unsplit_call(part):
         assert grad < 5e-5, f"the floor's statistics' gradients split over the sequence axis, {key}: off by {grad:.2e}"
     if not part:
         return
-    assert len(result["floors"]) == 4
+    assert len(result["floors"]) == 6
     errors = result["errors"]
-    assert ("favor: mesh.sequence=4 shards the sequence, but the floor of a sign-indefinite kind with window=2"
-            in errors["favor{'window': 2}"])
     assert "window=16: the band crosses one device boundary at most" in errors["favor+{'window': 16}"]
     assert "mesh.sequence=4 must divide the sequence length; attention got L = 30" in errors["length"]
 

@@ -357,10 +357,6 @@ class FeatureAttention(Attention, abc.ABC):
 
     def _sequence_sharded(self, q, k, v, mask, causal, ctx, runs, mix=None):
         """The call with L split over the mesh's sequence axis (favor.attention.sequence)."""
-        if self.window and not self.positive:
-            refuse_sequence_axis(self.name, f"the floor of a sign-indefinite kind with window={self.window} counts "
-                                            "the rounding mass of the keys off the band, which is not exchanged "
-                                            "across devices yet")
         if q.shape[1] != k.shape[1]:
             refuse_sequence_axis(self.name, f"queries and keys differ in length ({q.shape[1]}, {k.shape[1]})")
         x, y = self.inputs(q, k)

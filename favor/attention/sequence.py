@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from favor.attention import documents, fused as fused_lib, window as window_lib
 from favor.attention.causal import CAUSAL_CHUNK
 from favor.attention.floor import STAT_OPS, document_stats, floor_of, log_norm_bounds, ratio, whole_document
-from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, ones_column, sg
+from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, ones_column, segmented, sg
 
 AXIS = "sequence"
 BATCH_AXES = ("data", "fsdp")
@@ -133,14 +133,15 @@ def _fold_stats(stats, first, last, me, n, before):
     return carry, run
 
 
-def _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me):
+def _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me, gap=0):
     """The sign-indefinite kinds' floor (floor.jensen_floor) of one device's queries over the keys of the
     whole sequence: the device's own reductions per document, plus the carried reductions of the document
-    it starts inside (all-gathered, like the linear carry) and, bidirectional, of the one it ends inside."""
+    it starts inside (all-gathered, like the linear carry) and, bidirectional, of the one it ends inside.
+    gap > 0 (a window's band of gap − 1): the rounding mass counts the keys off the band only."""
     w = valid[:, None, :, None].astype(F32)
     nq, nk = (sg(log_norm_bounds(*m(ctx, a)).astype(F32)) for m, a in ((query_map, x), (key_map, y)))
     nk = jnp.where(valid[:, None], nk, NEG_INF)
-    stats = document_stats(y.astype(F32), v.astype(F32), w, runs, nk)
+    stats = document_stats(y.astype(F32), v.astype(F32), w, runs, None if gap else nk)
     first, last = runs[:, 0], runs[:, -1]
 
     def add(stats, carried, run):
@@ -150,13 +151,37 @@ def _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me):
                 for name, a in stats.items()}
 
     ahead = jax.lax.all_gather(({k: a[:, :, -1] for k, a in stats.items()}, first, last), AXIS)
-    before = _fold_stats(*ahead, me, n, before=True)
-    if causal:
-        return floor_of(x.astype(F32), add(stats, *before), nq)
-    whole = {name: whole_document(a, runs) for name, a in stats.items()}
-    behind = jax.lax.all_gather(({k: a[:, :, 0] for k, a in whole.items()}, first, last), AXIS)
-    after = _fold_stats(*behind, me, n, before=False)
-    return floor_of(x.astype(F32), add(add(whole, *before), *after), nq)
+    stats = add(stats, *_fold_stats(*ahead, me, n, before=True)) if causal else stats
+    if not causal:
+        whole = {name: whole_document(a, runs) for name, a in stats.items()}
+        behind = jax.lax.all_gather(({k: a[:, :, 0] for k, a in whole.items()}, first, last), AXIS)
+        stats = add(add(whole, *_fold_stats(*ahead, me, n, before=True)), *_fold_stats(*behind, me, n, before=False))
+    if gap:
+        stats["mass"] = _off_band_mass(nk, runs, gap, causal, n, me)
+    return floor_of(x.astype(F32), stats, nq)
+
+
+def _off_band_mass(nk, runs, gap, causal, n, me):
+    """log Σ_j ‖φ_k(j)‖ [B, H, Lc] over the keys of query i's document with j ≤ i − gap (and j ≥ i + gap
+    when bidirectional) on every device: floor.estimated_mass over the split sequence, the keys moved gap
+    positions as `_estimate` moves them and their running sums carried across devices."""
+    def part(after):
+        mk, mr = _moved(nk, gap, n, 2, NEG_INF, earlier=after), _moved(runs, gap, n, 1, NO_RUN, earlier=after)
+        qr = runs
+        if after:                   # the suffix sums: the same running reduction over the flipped rows
+            mk, mr, qr = jnp.flip(mk, 2), jnp.flip(mr, 1), jnp.flip(runs, 1)
+        total = segmented(mk, mr[:, None], jnp.logaddexp, NEG_INF, axis=2)
+        # each device's entry: its running sum at its end in this direction, that end's document's run
+        own, other = mr[:, -1], mr[:, 0]
+        ends = jax.lax.all_gather(({"mass": total[:, :, -1]}, other, own) if not after else
+                                  ({"mass": total[:, :, -1]}, own, other), AXIS)
+        carried, crun = _fold_stats(*ends, me, n, before=not after)
+        total = jnp.where((mr == crun[:, None])[:, None], jnp.logaddexp(carried["mass"][:, :, None], total), total)
+        out = jnp.where((mr == qr)[:, None], total, NEG_INF)
+        return jnp.flip(out, 2) if after else out
+
+    mass = part(False)
+    return mass if causal else jnp.logaddexp(mass, part(True))
 
 
 def _neighbour(a, s, n, axis, fill, nxt):
@@ -284,7 +309,7 @@ def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal
     if not causal:
         parts.append(est(max(gap, 1), True))
     out, scale = combine(parts)
-    floor = None if positive else _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me)
+    floor = None if positive else _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me, gap)
     return ratio(out, positive, scale, floor)
 
 
