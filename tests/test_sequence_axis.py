@@ -14,7 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ATTENTION_SCRIPT = r"""
+# the inputs both attention scripts start from: 8 devices as data 2 × sequence 4, and documents crossing
+# the device boundaries at 16, 32 and 48; padding from 44
+INPUTS = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from favor import attention
@@ -23,10 +25,13 @@ B, L, H, D = 2, 64, 2, 8
 ks = jax.random.split(jax.random.key(0), 4)
 q, k, v = (jax.random.normal(kk, (B, L, H, D)) for kk in ks[:3])
 lin = jax.random.normal(ks[3], (B, L, H, D))
-# documents crossing the device boundaries at 16, 32 and 48; one of norms 6x the others; padding from 44
 seg = np.zeros((B, L), np.int32); seg[0, 5:16] = 1; seg[0, 16:17] = 2; seg[0, 17:40] = 3; seg[0, 40:] = 4
 seg[1, 30:] = 1
 mask = np.ones((B, L), bool); mask[1, 44:] = False
+"""
+
+ATTENTION_SCRIPT = INPUTS + r"""
+# one document of norms 6x the others
 q0, k0 = q, k
 q = q.at[0, 17:40].multiply(6.0); k = k.at[0, 17:40].multiply(6.0)
 # one case per path the axis takes: exponential features (one span per device; several, with a window of
@@ -158,19 +163,8 @@ def test_attention_split_over_the_sequence_axis_equals_the_unsplit_call(part):
     assert "mesh.sequence=4 must divide the sequence length; attention got L = 30" in errors["length"]
 
 
-FUSED_SCRIPT = r"""
-import json
-import jax, jax.numpy as jnp, numpy as np
-from favor import attention
+FUSED_SCRIPT = INPUTS + r"""
 from favor.attention import fused, sequence
-mesh = jax.make_mesh((2, 4), ("data", "sequence"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-B, L, H, D = 2, 64, 2, 8
-ks = jax.random.split(jax.random.key(0), 4)
-q, k, v = (jax.random.normal(kk, (B, L, H, D)) for kk in ks[:3])
-lin = jax.random.normal(ks[3], (B, L, H, D))
-seg = np.zeros((B, L), np.int32); seg[0, 5:16] = 1; seg[0, 16:17] = 2; seg[0, 17:40] = 3; seg[0, 40:] = 4
-seg[1, 30:] = 1
-mask = np.ones((B, L), bool); mask[1, 44:] = False
 passes = {"n": 0}
 pass_ = fused.document_pass
 def counted(*a, **kw):
