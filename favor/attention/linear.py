@@ -233,16 +233,20 @@ def _shift_back(a, k, fill, axis):
 
 
 def segmented(a, r, op, fill, axis=-1):
-    """The inclusive prefix reduction of `a` along `axis` under `op` (identity `fill`), restarting at
-    every change of run: out_i = op over j ≤ i in i's run. r broadcasts against `a` with the same axis.
-    By doubling (Hillis and Steele): step k combines i with i − k when both lie in one run, and since a
-    run is contiguous, i − k outside i's run means i's value already covers the run's part before i."""
+    """The inclusive prefix reduction of `a` along `axis` under `op` (identity `fill`: the scan needs none,
+    every position holding its own value), restarting at every change of run: out_i = op over j ≤ i in
+    i's run. r broadcasts against `a` with the same axis. A work-efficient parallel scan
+    (jax.lax.associative_scan) of (run, value) pairs under the segmented operator: a block's value covers
+    its last element's run, so adjacent blocks whose last elements share a run (runs are contiguous: then
+    every element between them does) combine, and otherwise the right block's value stands. (log2 L
+    doubling steps over whole arrays made the floor's per-document statistics cost 6× the pass they
+    floor: CPU, L = 2048.)"""
+    del fill
     axis = axis % a.ndim
-    raxis = axis - (a.ndim - r.ndim)
-    n = a.shape[axis]
-    k = 1
-    while k < n:
-        same = _shift_back(r, k, NO_RUN - 1, raxis) == r
-        a = jnp.where(same, op(a, _shift_back(a, k, fill, axis)), a)
-        k *= 2
-    return a
+    r = jnp.expand_dims(r, tuple(range(a.ndim - r.ndim)))
+
+    def combine(left, right):
+        (r1, v1), (r2, v2) = left, right
+        return r2, jnp.where(r1 == r2, op(v1, v2), v2)
+
+    return jax.lax.associative_scan(combine, (r, a), axis=axis)[1]
