@@ -27,17 +27,12 @@ def _id(p):
 def test_unbiased_and_variance_iid(name, opts):
     mech = kernels.get(name, **opts)
     x, y = pairs(seed=1)
+    params = mech.fit(x, y)
     m = 2
-
-    @jax.jit               # one program, not an eager compile per operation
-    def fit_and_variance(x, y):
-        params = mech.fit(x, y)
-        return params, mech.variance(x, y, params, m)
-    params, variance = fit_and_variance(x, y)
     est = repeated_estimates(mech, x, y, params, m, REPEATS, seed=7)
     exact = np.exp(np.asarray(x @ y.T, np.float64))
     assert_unbiased(est, exact, _id((name, opts)))
-    analytic = np.asarray(variance, np.float64)
+    analytic = np.asarray(mech.variance(x, y, params, m), np.float64)
     assert_variance_matches(est, analytic, _id((name, opts)))
 
 
@@ -73,17 +68,12 @@ def test_positive_mse_under_coupling_matches_theorem_3_2(coupling):
     rng = np.random.default_rng(11)
     x = jnp.asarray(0.4 * rng.standard_normal((3, d)), jnp.float32)
     y = jnp.asarray(0.4 * rng.standard_normal((3, d)), jnp.float32)
+    params = mech.fit(x, y)
     m = 2 * d + 3
-
-    @jax.jit               # one program, not an eager compile per operation
-    def fit_and_variances(x, y):
-        params = mech.fit(x, y)
-        return params, mech.variance(x, y, params, m, coupling=coupling), mech.variance(x, y, params, m)
-    params, coupled, iid = fit_and_variances(x, y)
     est = repeated_estimates(mech, x, y, params, m, REPEATS, seed=13, coupling=coupling)
-    analytic = np.asarray(coupled, np.float64)
+    analytic = np.asarray(mech.variance(x, y, params, m, coupling=coupling), np.float64)
     assert_variance_matches(est, analytic, f"positive/{coupling}")
-    iid = np.asarray(iid, np.float64)
+    iid = np.asarray(mech.variance(x, y, params, m), np.float64)
     assert np.all(analytic < iid), "coupled projections must lower the MSE of positive RFs"
 
 
@@ -102,9 +92,8 @@ def test_importance_sampling_lowers_mean_variance_on_gaussian_data():
     y = jnp.asarray(0.3 * rng.standard_normal((300, d)) - 0.1, jnp.float32)
     for name in GAUSSIAN:
         plain, weighted = kernels.get(name), kernels.get(name, importance_sampling=True)
-        # one program, not an eager compile per operation
-        v0, v1 = (np.asarray(v).mean() for v in jax.jit(lambda x, y: (
-            plain.variance(x, y, plain.fit(x, y), 1), weighted.variance(x, y, weighted.fit(x, y), 1)))(x, y))
+        v0 = np.asarray(plain.variance(x, y, plain.fit(x, y), 1)).mean()
+        v1 = np.asarray(weighted.variance(x, y, weighted.fit(x, y), 1)).mean()
         assert v1 < v0, f"{name}: importance sampling raised the mean variance {v0} -> {v1}"
 
 
