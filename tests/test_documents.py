@@ -724,3 +724,16 @@ def test_the_fused_prefill_keeps_the_last_document(kind):
                                    err_msg=f"{kind} {name}")
     _, outs = decode(fused, *DECODING)
     check_decoding(xla, outs)
+
+
+@modes
+@cases([c for c in FORMS if case_id(c) in ("favor", "favor@3")])
+def test_a_call_without_a_mask_takes_documents(case, causal):
+    """mask=None (no padding: the floor's key mask broadcasts over the batch) with segment_ids: the float64
+    reference's outputs (row 1's last document then ends the row)."""
+    attn = make(case)
+    q, k, v = qkv(seed=1)
+    out = forward(case, causal)(q, k, v, None, SEG)
+    rows = np.ones((B, L), bool)
+    expect, cond = ref(attn, q, k, v, None, causal, SEG)
+    assert_reference(attn, out, expect, cond, rows, f"causal={causal} without a mask")

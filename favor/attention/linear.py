@@ -244,6 +244,8 @@ def segmented(a, r, op, fill, axis=-1):
     del fill
     axis = axis % a.ndim
     r = jnp.expand_dims(r, tuple(range(a.ndim - r.ndim)))
+    # the scan interleaves each leaf on its own: `a` takes the shape its values take once r broadcasts
+    a = jnp.broadcast_to(a, jnp.broadcast_shapes(a.shape, r.shape))
 
     def combine(left, right):
         (r1, v1), (r2, v2) = left, right
