@@ -335,7 +335,8 @@ def linear(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chun
                                      P(None, AXIS), jax.tree.map(lambda _: P(), ctx), jax.tree.map(seq, band),
                                      jax.tree.map(lambda _: P(), log_mix)),
                            out_specs=seq(v), axis_names={AXIS}, check_vma=False)
-    return mapped(x, y, v, valid, runs, ctx, band, log_mix)
+    # jitted: eager, a shard_map manual over some of the mesh's axes only refuses its own out_specs
+    return jax.jit(mapped)(x, y, v, valid, runs, ctx, band, log_mix)
 
 
 def softmax(q, k, v, mask, runs, causal, scale, window=0):
@@ -368,5 +369,6 @@ def softmax(q, k, v, mask, runs, causal, scale, window=0):
         return (out / jnp.moveaxis(den, 1, 2)[..., None]).astype(v.dtype)
 
     row = P(None, AXIS)
-    return jax.shard_map(shard, mesh=current_mesh(), in_specs=(row, row, row, row, row),
-                         out_specs=row, axis_names={AXIS}, check_vma=False)(q, k, v, mask, runs)
+    # jitted as `linear` is
+    return jax.jit(jax.shard_map(shard, mesh=current_mesh(), in_specs=(row, row, row, row, row),
+                                 out_specs=row, axis_names={AXIS}, check_vma=False))(q, k, v, mask, runs)
