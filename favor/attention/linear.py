@@ -226,12 +226,6 @@ def combine(parts):
 NO_RUN = -1     # the run of a position that holds no key at all (shifted-in rows, the carry before any key)
 
 
-def _shift_back(a, k, fill, axis):
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (k, 0)
-    return jax.lax.slice_in_dim(jnp.pad(a, pad, constant_values=fill), 0, a.shape[axis], axis=axis)
-
-
 def segmented(a, r, op, fill, axis=-1):
     """The inclusive prefix reduction of `a` along `axis` under `op` (identity `fill`: the scan needs none,
     every position holding its own value), restarting at every change of run: out_i = op over j ≤ i in
