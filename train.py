@@ -5,7 +5,7 @@
 Configs are locked: overriding a key the config does not have is an error naming it. Every value is
 checked (favor.job.validate) before anything is built or compiled; a bad one ends the run with
 one last line `error: config.<key>=<value>: <what is allowed>` and exit status 2. A --workdir is a new
-directory or the directory of the run to resume (favor.rundir): one that holds a run of another
+directory or the directory of the run to resume (favor.train.rundir): one that holds a run of another
 configuration, or a checkpoint of another model, is refused the same way, and left as it was.
 """
 
@@ -18,7 +18,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from favor import configlib, extras, runtime, strings
+from favor import extras, runtime, strings
+from favor.config import loading
 
 FLAGS = flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard logs and summary.json")
 MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first (TPU pods and SLURM "
@@ -82,19 +83,19 @@ def _bad_value(argv, message: str) -> str:
     key = m.group(1)
     value = _overrides(argv).get(key)
     try:
-        current = configlib.get(CONFIG.value, key)
+        current = loading.get(CONFIG.value, key)
     except Exception:                             # the config did not load: absl's own message
         return message
-    return f"config.{key}={value!r}: must be {configlib.describe_type(current)} (the config has {current!r})"
+    return f"config.{key}={value!r}: must be {loading.describe_type(current)} (the config has {current!r})"
 
 
 def _unknown_key(argv) -> str | None:
     try:
-        config = configlib.load(_config_spec(argv))
+        config = loading.load(_config_spec(argv))
     except Exception:
         return None
     for key in _overrides(argv):
-        why = configlib.missing_key(config, key)
+        why = loading.missing_key(config, key)
         if why:
             return f"--config.{key}: {why}"
     return None
@@ -128,11 +129,11 @@ def main(argv):
     from favor import job                 # the training stack, loaded once the flags have parsed
     try:
         job.validate(config)        # job.run checks again; here the error is one line, not a traceback
-    except (configlib.UsageError, extras.MissingExtra) as e:
+    except (loading.UsageError, extras.MissingExtra) as e:
         fail(str(e))
     try:
         summary = job.run(config, FLAGS.value)
-    except (extras.MissingExtra, configlib.UsageError) as e:   # a pipeline whose optional packages are not
+    except (extras.MissingExtra, loading.UsageError) as e:   # a pipeline whose optional packages are not
         fail(str(e))   # installed, a value only the built job can judge, a workdir or checkpoint of another run
     loss = "n/a (resumed at the end)" if summary["train_loss"] is None else f"{summary['train_loss']:.4f}"
     report = [f"done: step {summary['step']}, attention {summary['attention']}, train loss {loss}"]

@@ -32,7 +32,7 @@ uptraining a softmax source as every kind (`python -m favor.repro uptrain-kernel
 
 import ml_collections
 
-from favor import configbase
+from favor.config import blocks
 from favor.data.glue import FIELDS, NUM_LABELS
 
 # the sweep's axes (get_config ignores them)
@@ -40,7 +40,7 @@ SWEEP_ARGS = dict(seeds=3, kinds="softmax/favor+/favor++/favor#:saderf/favor#:sd
 
 
 def _args(arg):
-    return configbase.parse_arg(arg, task="sst2", vocab="", runlocal=False, local=False, steps=0, **SWEEP_ARGS)
+    return blocks.parse_arg(arg, task="sst2", vocab="", runlocal=False, local=False, steps=0, **SWEEP_ARGS)
 
 TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb": 5749, "mnli": 392702,
                "qnli": 104743, "rte": 2490, "wnli": 635,
@@ -52,8 +52,8 @@ def get_config(arg=None):
     args = _args(arg)
     if args.runlocal and args.local:
         raise ValueError("runlocal and local are two model sizes: give one")
-    task = configbase.choice("task", args.task, tuple(FIELDS))
-    c = configbase.run_config(total_steps=max(1, 3 * TRAIN_SIZES[task] // 32), batch_size=32, eval_batch_size=128,
+    task = blocks.choice("task", args.task, tuple(FIELDS))
+    c = blocks.run_config(total_steps=max(1, 3 * TRAIN_SIZES[task] // 32), batch_size=32, eval_batch_size=128,
                              every=2000)
     c.data = {"name": "glue", "task": task, "tokenizer": f"wordpiece:{args.vocab}" if args.vocab else "", "max_length": 128,
               "buckets": (32, 64, 128), "data_dir": None, "eval_split": "validation", "max_examples": 0}
@@ -65,8 +65,8 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.1, 0.1
     c.model.dtype = "float32"
     c.model.init_from = ""
-    c.model.attention = configbase.attention("favor++", num_features=256)
-    c.optim = configbase.optim(lr=2e-5, schedule="linear", warmup_steps=c.total_steps // 10, weight_decay=0.01,
+    c.model.attention = blocks.attention("favor++", num_features=256)
+    c.optim = blocks.optim(lr=2e-5, schedule="linear", warmup_steps=c.total_steps // 10, weight_decay=0.01,
                               eps=1e-6)
     if args.local:
         # the local pretraining's model (its sizes must be the source's); a model this small fine-tunes at
@@ -95,9 +95,9 @@ def get_config(arg=None):
 
 
 def sweep(arg=None):
-    """Every kind of `kinds` (kind specs) × `seeds` seeds, seed by seed (favor.sweeps.seed_by_seed)."""
+    """Every kind of `kinds` (kind specs) × `seeds` seeds, seed by seed (favor.config.sweeps.seed_by_seed)."""
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    from favor import sweeps                   # the kinds' registry: JAX, which writing a config never needs
+    from favor.config import sweeps                   # the kinds' registry: JAX, which writing a config never needs
     yield from sweeps.seed_by_seed(sweeps.kind_settings("kinds", args.kinds), range(int(args.seeds)))

@@ -13,7 +13,7 @@ The sentencepiece vocabulary (32k) is trained on first use on 200k sampled artic
 `--config.model.init_from=hf:<dir>` and the model's vocab_size to the checkpoint's).
 
 data=local: the standard library's docstrings (favor_docstrings, built on first use), the "local" preset
-(BERT-Tiny's 2 layers × 128, favor/presets.py) at 128 tokens; runlocal: a tiny model for a few
+(BERT-Tiny's 2 layers × 128, favor/config/presets.py) at 128 tokens; runlocal: a tiny model for a few
 steps (the tests).
 
 Args: data=tfds|local, runlocal, kind=<attention kind>.
@@ -25,29 +25,29 @@ its softmax BERT as `configs/bert_pretrain.py:data=local,seeds=1,kinds=softmax`)
 
 import ml_collections
 
-from favor import configbase
+from favor.config import blocks
 
 SWEEP_ARGS = dict(seeds=1, kinds="softmax/favor+/favor++/favor#")      # the sweep's axes (get_config ignores them)
 
 
 def _args(arg):
-    return configbase.parse_arg(arg, data="tfds", kind="favor++", runlocal=False, **SWEEP_ARGS)
+    return blocks.parse_arg(arg, data="tfds", kind="favor++", runlocal=False, **SWEEP_ARGS)
 
 
 def sweep(arg=None):
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    from favor import sweeps                   # the kinds' registry: JAX, which writing a config never needs
+    from favor.config import sweeps                   # the kinds' registry: JAX, which writing a config never needs
     yield from sweeps.seed_by_seed(sweeps.kind_settings("kinds", args.kinds), range(int(args.seeds)))
 
 
 def get_config(arg=None):
     # one config is one run: the sweep's args are ignored here
     args = _args(arg)
-    data = configbase.choice("data", args.data, ("tfds", "local"))
+    data = blocks.choice("data", args.data, ("tfds", "local"))
 
-    c = configbase.run_config(total_steps=1_000_000, batch_size=256, eval_batch_size=256, every=10_000,
+    c = blocks.run_config(total_steps=1_000_000, batch_size=256, eval_batch_size=256, every=10_000,
                              keep_checkpoints=3)
     c.data = {"name": "text", "dataset": "wikipedia/20230601.en", "text_field": "text",
               "train_split": "train[:99%]", "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "",
@@ -60,8 +60,8 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.1, 0.1
     c.model.dtype = "float32"
     c.model.init_from = ""
-    c.model.attention = configbase.attention(args.kind, num_features=256)
-    c.optim = configbase.optim(lr=1e-4, schedule="linear", warmup_steps=10_000, weight_decay=0.01, eps=1e-6)
+    c.model.attention = blocks.attention(args.kind, num_features=256)
+    c.optim = blocks.optim(lr=1e-4, schedule="linear", warmup_steps=10_000, weight_decay=0.01, eps=1e-6)
     if data == "local":
         # 1,000 pieces, not 4,000: at 4,000 the 2 × 128 model was still at 12 % masked-token accuracy after
         # 500-750 steps (lr 1e-3 or 3e-3), on the plateau of predicting frequent pieces; at 1,000 it left it

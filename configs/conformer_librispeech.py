@@ -48,7 +48,8 @@ feature width for all; trig and HRF with qk_norm=l2); each with `seeds` seeds:
 
 import ml_collections
 
-from favor import configbase, strings
+from favor import strings
+from favor.config import blocks
 
 # the sweep's axes (get_config ignores them): "/"-separated narrow widths; floor=False leaves out the
 # model without attention; quick: softmax and FAVOR+ at the narrowest width only (the tests')
@@ -56,16 +57,16 @@ SWEEP_ARGS = dict(seeds=3, narrow="8/16", wide=64, floor=True, quick=False)
 
 
 def _args(arg):
-    return configbase.parse_arg(arg, data="tfds", kind="favor++", steps=0, conv_kernel=0, runlocal=False,
+    return blocks.parse_arg(arg, data="tfds", kind="favor++", steps=0, conv_kernel=0, runlocal=False,
                                **SWEEP_ARGS)
 
 
 def get_config(arg=None):
     # one config is one run: the sweep's args are ignored here
     args = _args(arg)
-    data = configbase.choice("data", args.data, ("tfds", "local", "hard"))
+    data = blocks.choice("data", args.data, ("tfds", "local", "hard"))
 
-    c = configbase.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5000)
+    c = blocks.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5000)
     vocab = ml_collections.FieldReference(256)       # the tokenizer's size and the CTC head's, one value
     c.data = ml_collections.ConfigDict({
         "name": "speech", "dataset": "librispeech", "train_split": "train_clean100+train_clean360+train_other500",
@@ -84,8 +85,8 @@ def get_config(arg=None):
     c.model.init_from = ""             # uptraining: run:<workdir>, a checkpoint dir or hf:<dir>
     # lambda_: HRF's λ estimator (angular | gaussian | cluster), here so that a sweep can set it; the
     # other kinds do not take it
-    c.model.attention = configbase.attention(args.kind, num_features=16, lambda_="angular")
-    c.optim = configbase.optim(lr=1e-4, schedule="constant", warmup_steps=10_000, weight_decay=0.0, b2=0.98, eps=1e-9)
+    c.model.attention = blocks.attention(args.kind, num_features=16, lambda_="angular")
+    c.optim = blocks.optim(lr=1e-4, schedule="constant", warmup_steps=10_000, weight_decay=0.0, b2=0.98, eps=1e-9)
 
     if data in ("local", "hard"):
         c.data.dataset, c.data.train_split, c.data.eval_split = "local", "train", "validation"
@@ -157,5 +158,5 @@ def sweep(arg=None):
         settings += [{kind: "hrf", lam: v, width: wide, **sphere} for v in ("angular", "cluster")]
         if args.floor:
             settings.append({"model.self_attention": False})
-    from favor import sweeps
+    from favor.config import sweeps
     yield from sweeps.seed_by_seed(settings, range(int(args.seeds)))

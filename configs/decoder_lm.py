@@ -38,15 +38,15 @@ from pathlib import Path
 
 import ml_collections
 
-from favor import configbase, presets
+from favor.config import blocks, presets
 
 
 def get_config(arg=None):
-    args = configbase.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", text="", runlocal=False,
+    args = blocks.parse_arg(arg, data="tfds", kind="favor+", window=0, init="", text="", runlocal=False,
                                 context=0, sequence=1)
-    data = configbase.choice("data", args.data, ("tfds", "local"))
+    data = blocks.choice("data", args.data, ("tfds", "local"))
 
-    c = configbase.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5_000,
+    c = blocks.run_config(total_steps=100_000, batch_size=256, eval_batch_size=64, every=5_000,
                              keep_checkpoints=3)
     c.data = {"name": "causal_text", "dataset": "wikipedia/20230601.en", "text_field": "text",
               "train_split": "train[:99%]", "eval_split": "train[99%:]", "data_dir": None, "tokenizer": "",
@@ -58,12 +58,12 @@ def get_config(arg=None):
     c.model.vocab_size, c.model.max_positions = 32000, 1024
     c.model.dtype = "float32"
     c.model.init_from = ""
-    c.model.attention = configbase.attention(args.kind, num_features=256)
+    c.model.attention = blocks.attention(args.kind, num_features=256)
     if int(args.window) < 0:
         raise ValueError(f"window={args.window}: expected 0 (none) or a positive number of tokens")
     if int(args.window):
         c.model.attention.window = int(args.window)
-    c.optim = configbase.optim(lr=6e-4, schedule="cosine", warmup_steps=2_000, weight_decay=0.1, b2=0.95)
+    c.optim = blocks.optim(lr=6e-4, schedule="cosine", warmup_steps=2_000, weight_decay=0.1, b2=0.95)
     if data == "local":
         c.data.update(dataset="local", train_split="train", eval_split="validation", vocab_size=4000,
                       tokenizer_sample=10_000, max_length=128, max_eval_rows=256)

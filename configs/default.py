@@ -24,7 +24,7 @@ A sweep arg's list separates its values by "/" ("," separates the args, and "+" 
 
 import ml_collections
 
-from favor import configbase
+from favor.config import blocks
 
 # kind-specific attention options: empty / False means "the kind's own default" (the spec options,
 # variant / lambda_ / features, are in every attention block at "", the kind's own; the others go into the
@@ -35,14 +35,14 @@ SWEEP_ARGS = dict(seeds=2, kinds="", qk_norms="", redraws="")
 
 
 def _args(arg):
-    return configbase.parse_arg(arg, runlocal=False, kind="favor++", qk_norm="", redraw="", **SWEEP_ARGS,
+    return blocks.parse_arg(arg, runlocal=False, kind="favor++", qk_norm="", redraw="", **SWEEP_ARGS,
                                **KIND_OPTIONS)
 
 
 def get_config(arg=None):
     # one config is one run: the sweep's args (below) are ignored here
     args = _args(arg)
-    c = configbase.run_config(total_steps=1500, batch_size=64, eval_batch_size=128, every=500, log_every=50)
+    c = blocks.run_config(total_steps=1500, batch_size=64, eval_batch_size=128, every=500, log_every=50)
     c.data = {"name": "digits", "test_fraction": 0.2, "split_seed": 0}
     c.task = {"name": "classification", "input": "image", "label_smoothing": 0.1}
 
@@ -56,12 +56,12 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
     c.model.dtype = "float32"
     c.model.init_from = ""             # uptraining: run:<workdir>, a checkpoint dir or hf:<dir>
-    c.model.attention = configbase.attention(args.kind, num_features=64, redraw=args.redraw, qk_norm=args.qk_norm)
+    c.model.attention = blocks.attention(args.kind, num_features=64, redraw=args.redraw, qk_norm=args.qk_norm)
     for key in KIND_OPTIONS:
         if args[key]:
             c.model.attention[key] = args[key]
 
-    c.optim = configbase.optim(lr=2e-3, schedule="cosine", warmup_steps=100, weight_decay=0.05, eps=1e-8)
+    c.optim = blocks.optim(lr=2e-3, schedule="cosine", warmup_steps=100, weight_decay=0.05, eps=1e-8)
     if args.runlocal:
         c.total_steps, c.batch_size, c.eval_batch_size = 64, 32, 128
         c.checkpoint_every, c.eval_every, c.log_every = 16, 32, 8
@@ -79,15 +79,16 @@ def sweep(arg=None):
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
     # each kind as its spec (favor#:saderf sets FAVOR#'s variant; favor.attention.parse_spec)
-    from favor import attention, sweeps        # the kinds' registry: JAX, which writing a config never needs
+    from favor import attention        # the kinds' registry: JAX, which writing a config never needs
+    from favor.config import sweeps
     from favor.attention import qknorm, schedule
     kinds = sweeps.kind_settings("kinds", args.kinds or "/".join(attention.names()))
     axes = {}
     if args.qk_norms:
-        norms = configbase.values("qk_norms", args.qk_norms, ("none",) + tuple(n for n in qknorm.NORMS if n))
+        norms = blocks.values("qk_norms", args.qk_norms, ("none",) + tuple(n for n in qknorm.NORMS if n))
         axes["model.attention.qk_norm"] = tuple("" if q == "none" else q for q in norms)
     if args.redraws:
-        axes["model.attention.redraw"] = configbase.values("redraws", args.redraws)
+        axes["model.attention.redraw"] = blocks.values("redraws", args.redraws)
         for spec in axes["model.attention.redraw"]:
             schedule.parse(spec)            # a bad one fails the sweep here, not each of its runs later
     axes["seed"] = tuple(range(int(args.seeds)))

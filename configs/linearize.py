@@ -33,7 +33,7 @@ banded settings, 0: none), recipes and alone (whether the band alone is a settin
 """
 
 from configs import decoder_lm
-from favor import configbase
+from favor.config import blocks
 
 KINDS = ("favor+", "favor++", "favor#", "hedgehog", "t2r", "elu")
 RECIPES = ("lolcats", "full")
@@ -46,7 +46,7 @@ RECALL_VOCAB = 256
 
 
 def _args(arg):
-    return configbase.parse_arg(arg, stage="linearize", kind="favor+", window=0, recipe="lolcats",
+    return blocks.parse_arg(arg, stage="linearize", kind="favor+", window=0, recipe="lolcats",
                                source_steps=3000, transfer_steps=50, steps=250, recall_rate=0.5, pairs=4, noise=False,
                                runlocal=False,
                                seeds=2, kinds="/".join(KINDS), band=8, recipes="/".join(RECIPES), alone=True)
@@ -55,7 +55,7 @@ def _args(arg):
 def recipe_overrides(kind: str, window: int, recipe: str, transfer_steps: int, steps: int) -> dict:
     """The dotted config keys a setting's recipe sets (what the sweep passes as overrides): every key a
     recipe depends on, so that a run's flags alone fix it whatever get_config's own arg defaults to."""
-    configbase.choice("recipe", recipe, RECIPES)
+    blocks.choice("recipe", recipe, RECIPES)
     total = transfer_steps + steps
     # no transfer stage: its keys at the config's defaults
     none = {"uptrain.transfer_steps": 0, "uptrain.trainable": "query_key", "uptrain.lr": 1e-3}
@@ -63,7 +63,7 @@ def recipe_overrides(kind: str, window: int, recipe: str, transfer_steps: int, s
         return {**none, "uptrain.finetune": "all", "optim.lr": FULL_LR, "total_steps": total}
     if kind == "softmax":                   # the band alone: nothing for a transfer stage to train
         return {**none, "uptrain.finetune": "lora", "optim.lr": LORA_LR, "total_steps": total}
-    own = kind in configbase.LEARNED_KINDS or (window and kind in MIXED)
+    own = kind in blocks.LEARNED_KINDS or (window and kind in MIXED)
     return {"uptrain.transfer_steps": transfer_steps, "uptrain.trainable": "feature_maps" if own else "lora",
             "uptrain.finetune": "lora", "uptrain.lr": TRANSFER_LR if own else 1e-3, "optim.lr": LORA_LR,
             "total_steps": total}
@@ -78,13 +78,14 @@ def sweep(arg=None):
         return
     if int(args.seeds) < 1 or int(args.band) < 0:
         raise ValueError(f"seeds={args.seeds}, band={args.band}: expected seeds ≥ 1 and a band ≥ 0")
-    from favor import attention, sweeps        # the kinds' registry: JAX, which writing a config never needs
-    kinds = configbase.values("kinds", args.kinds, [k for k in attention.names() if k != "softmax"])
+    from favor import attention        # the kinds' registry: JAX, which writing a config never needs
+    from favor.config import sweeps
+    kinds = blocks.values("kinds", args.kinds, [k for k in attention.names() if k != "softmax"])
     band = int(args.band)
     shapes = [(k, w) for k in kinds for w in ((0, band) if band else (0,))]
     shapes += [("softmax", band)] if band and args.alone else []
     settings = []
-    for recipe in configbase.values("recipes", args.recipes, RECIPES):
+    for recipe in blocks.values("recipes", args.recipes, RECIPES):
         for kind, window in shapes:
             s = {"model.attention.kind": kind, "model.attention.window": window,
                  **recipe_overrides(kind, window, recipe, int(args.transfer_steps), int(args.steps))}
@@ -96,7 +97,7 @@ def sweep(arg=None):
 
 def get_config(arg=None):
     args = _args(arg)
-    stage = configbase.choice("stage", args.stage, ("source", "linearize"))
+    stage = blocks.choice("stage", args.stage, ("source", "linearize"))
     for name in ("source_steps", "steps"):
         if int(args[name]) < 1:
             raise ValueError(f"{name}={args[name]}: expected a positive integer")
@@ -116,7 +117,7 @@ def get_config(arg=None):
         c.data.mix_in = {"name": "mqar", "vocab_size": RECALL_VOCAB, "seq_len": int(c.data.max_length),
                          "num_pairs": int(args.pairs), "random_non_queries": bool(args.noise)}
         c.data.mix_rate = rate
-    c.model.attention = configbase.attention("softmax" if stage == "source" else args.kind,
+    c.model.attention = blocks.attention("softmax" if stage == "source" else args.kind,
                                             num_features=int(c.model.attention.num_features))
     if stage == "source":
         c.total_steps = int(args.source_steps)
@@ -128,7 +129,7 @@ def get_config(arg=None):
             c.model.attention.window_mix = "learned"
         for key, value in recipe_overrides(args.kind, int(args.window), args.recipe, int(args.transfer_steps),
                                            int(args.steps)).items():
-            configbase.apply_flag(c, f"{key}={value}")
+            blocks.apply_flag(c, f"{key}={value}")
         c.optim.warmup_steps = max(c.total_steps // 10, 1)
         every = max(c.total_steps // 5, 1)
     c.eval_every = c.checkpoint_every = every

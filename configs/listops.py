@@ -25,8 +25,8 @@ the bag of tokens, each with `seeds` seeds:
 
 import ml_collections
 
-from favor import configbase
-from favor.data.listops import NUM_CLASSES, VOCAB, WINDOWS
+from favor.config import blocks
+from favor.data.listops_trees import NUM_CLASSES, VOCAB, WINDOWS
 
 # the sweep's axes (get_config ignores them): "/"-separated kinds (empty: every kind); band 0 leaves the
 # window hybrid out, floor=False the bag of tokens
@@ -34,15 +34,15 @@ SWEEP_ARGS = dict(seeds=3, kinds="", band=32, floor=True)
 
 
 def _args(arg):
-    return configbase.parse_arg(arg, kind="softmax", window="512", steps=3000, batch=32, bag=False,
+    return blocks.parse_arg(arg, kind="softmax", window="512", steps=3000, batch=32, bag=False,
                                runlocal=False, **SWEEP_ARGS)
 
 
 def get_config(arg=None):
     # one config is one run: the sweep's args are ignored here
     args = _args(arg)
-    window = configbase.choice("window", args.window, tuple(WINDOWS))
-    c = configbase.run_config(total_steps=int(args.steps), batch_size=int(args.batch), eval_batch_size=128,
+    window = blocks.choice("window", args.window, tuple(WINDOWS))
+    c = blocks.run_config(total_steps=int(args.steps), batch_size=int(args.batch), eval_batch_size=128,
                              every=min(1000, max(1, int(args.steps) // 3)), log_every=100)
     c.data = {"name": "listops", "window": window, "eval_split": "validation", "data_dir": None}
     c.task = {"name": "classification", "input": "text", "label_smoothing": 0.0}
@@ -54,8 +54,8 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.1, 0.0
     c.model.dtype = "float32"
     c.model.init_from = ""
-    c.model.attention = configbase.attention(args.kind, num_features=64)
-    c.optim = configbase.optim(lr=1e-3, schedule="cosine", warmup_steps=200, weight_decay=0.01)
+    c.model.attention = blocks.attention(args.kind, num_features=64)
+    c.optim = blocks.optim(lr=1e-3, schedule="cosine", warmup_steps=200, weight_decay=0.01)
     if args.runlocal:
         c.data.window = "tiny"
         c.model.max_positions = WINDOWS["tiny"].max_length
@@ -75,8 +75,9 @@ def sweep(arg=None):
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    from favor import attention, sweeps        # the kinds' registry: JAX, which writing a config never needs
-    kinds = configbase.values("kinds", args.kinds or "/".join(attention.names()), attention.names())
+    from favor import attention        # the kinds' registry: JAX, which writing a config never needs
+    from favor.config import sweeps
+    kinds = blocks.values("kinds", args.kinds or "/".join(attention.names()), attention.names())
     # trig and HRF as favor advises them (qk_norm=l2): without it they do not train, and a comparison on
     # that setting would rate favor's warning rather than the kernels
     settings = [sweeps.as_advised({"model.attention.kind": kind}) for kind in kinds]

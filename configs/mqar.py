@@ -22,13 +22,14 @@ so that every kind appears without tripling the runs), bands (window sizes for F
     python launch/sweep_local.py --config configs/mqar.py:seeds=3 --workdir runs/mqar --parallel 2
 """
 
-from favor import configbase, strings
+from favor import strings
+from favor.config import blocks
 
 SWEEP_KINDS = ("favor+", "favor++", "favor#", "elu")
 
 
 def _args(arg):
-    return configbase.parse_arg(arg, kind="softmax", num_features=64, window=0, pairs=8, seq_len=64, vocab=256,
+    return blocks.parse_arg(arg, kind="softmax", num_features=64, window=0, pairs=8, seq_len=64, vocab=256,
                                steps=1500, batch=64, runlocal=False, seeds=3, widths="16/64/256",
                                kinds="/".join(SWEEP_KINDS), others="", bands="8")
 
@@ -44,10 +45,11 @@ def sweep(arg=None):
         raise ValueError(f"widths={args.widths}, seeds={args.seeds}: expected positive numbers")
     kind, width, band = "model.attention.kind", "model.attention.num_features", "model.attention.window"
     settings = [{kind: "softmax"}]
-    from favor import attention, sweeps        # the kinds' registry: JAX, which writing a config never needs
+    from favor import attention        # the kinds' registry: JAX, which writing a config never needs
+    from favor.config import sweeps
     allowed = [n for n in attention.names() if n != "softmax"]
-    kinds = configbase.values("kinds", args.kinds, allowed)
-    others = [k for k in configbase.values("others", args.others, allowed) if k not in kinds]
+    kinds = blocks.values("kinds", args.kinds, allowed)
+    others = [k for k in blocks.values("others", args.others, allowed) if k not in kinds]
     for k in list(kinds) + others:
         ws = widths if k in kinds else [widths[len(widths) // 2]]
         # sign-indefinite kinds (trig, HRF) on the sphere, as favor advises: unnormalised they barely train
@@ -65,7 +67,7 @@ def get_config(arg=None):
     if int(args.window) < 0:
         raise ValueError(f"window={args.window}: expected 0 (none) or a positive number of tokens")
     steps = int(args.steps)
-    c = configbase.run_config(total_steps=steps, batch_size=int(args.batch), eval_batch_size=256, every=max(steps // 4, 1),
+    c = blocks.run_config(total_steps=steps, batch_size=int(args.batch), eval_batch_size=256, every=max(steps // 4, 1),
                              keep_checkpoints=1)
     c.data = {"name": "mqar", "vocab_size": int(args.vocab), "seq_len": int(args.seq_len),
               "num_pairs": int(args.pairs), "power_a": 0.01, "random_non_queries": True, "num_train": 100_000,
@@ -73,9 +75,9 @@ def get_config(arg=None):
     c.task = {"name": "causal_lm"}
     c.model = {"name": "decoder", "preset": "tiny", "vocab_size": int(args.vocab), "hidden": 64, "num_layers": 2,
                "heads": 2, "mlp_dim": 256, "max_positions": int(args.seq_len), "init_from": "",
-               "attention": configbase.attention(args.kind, num_features=int(args.num_features),
+               "attention": blocks.attention(args.kind, num_features=int(args.num_features),
                                                 window=int(args.window))}
-    c.optim = configbase.optim(lr=3e-3, schedule="cosine", warmup_steps=min(200, steps // 10), weight_decay=0.1)
+    c.optim = blocks.optim(lr=3e-3, schedule="cosine", warmup_steps=min(200, steps // 10), weight_decay=0.1)
     if args.runlocal:
         c.data.update(vocab_size=128, seq_len=32, num_pairs=4, num_train=512, num_eval=64)
         c.model.update(vocab_size=128, hidden=32, mlp_dim=64, max_positions=32)

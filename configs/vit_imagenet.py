@@ -37,7 +37,7 @@ ViT-L at 224 needs many accelerators: set --config.optim.accumulate_steps to fit
 
 import ml_collections
 
-from favor import configbase
+from favor.config import blocks
 
 IMAGENET_TRAIN = 1_281_167
 GRIDS = {8: (224, 28), 16: (224, 14), 32: (224, 7), 40: (240, 6), 44: (220, 5)}   # CRT Table 12
@@ -49,9 +49,9 @@ VARIANTS = {   # CRT Tables 8 and 9
 
 def get_config(arg=None):
     # grid=0: no sequence-length ablation
-    args = configbase.parse_arg(arg, variant="scratch", data="tfds", kind="favor++", init="", grid=0, runlocal=False)
-    variant = configbase.choice("variant", args.variant, tuple(VARIANTS))
-    data = configbase.choice("data", args.data, ("tfds", "local"))
+    args = blocks.parse_arg(arg, variant="scratch", data="tfds", kind="favor++", init="", grid=0, runlocal=False)
+    variant = blocks.choice("variant", args.variant, tuple(VARIANTS))
+    data = blocks.choice("data", args.data, ("tfds", "local"))
     grid = args.grid
     if grid and grid not in GRIDS:
         raise ValueError(f"configs/vit_imagenet.py: grid must be one of {', '.join(map(str, GRIDS))} "
@@ -63,7 +63,7 @@ def get_config(arg=None):
 
     steps_per_epoch = IMAGENET_TRAIN / v["batch"]
     # 50 eval batches cover the 50,000 validation images; checkpoints every 2000 steps, evals every 10 epochs
-    c = configbase.run_config(total_steps=int(v["epochs"] * steps_per_epoch), batch_size=v["batch"],
+    c = blocks.run_config(total_steps=int(v["epochs"] * steps_per_epoch), batch_size=v["batch"],
                              eval_batch_size=1000, every=2000)
     c.eval_every = int(10 * steps_per_epoch)
     c.data = {"name": "imagenet", "dataset": "imagenet2012", "data_dir": None, "train_split": "train",
@@ -82,7 +82,7 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout = 0.0, 0.0     # MAE: no dropout (it uses drop path instead)
     c.model.dtype = "bfloat16"
     c.model.init_from = ""
-    c.model.attention = configbase.attention(args.kind, num_features=256)
+    c.model.attention = blocks.attention(args.kind, num_features=256)
     if grid:                                              # CRT Tables 11-12: ViT-Ti at a chosen sequence length
         c.model.preset = "mini"
         c.model.image_size, c.model.patch_size = GRIDS[grid]
@@ -90,7 +90,7 @@ def get_config(arg=None):
     if variant == "finetune" and args.init:
         c.model.init_from = f"hf:{args.init}"
 
-    c.optim = configbase.optim(
+    c.optim = blocks.optim(
         lr=v["base_lr"] * c.batch_size / 256, schedule="cosine", warmup_steps=int(v["warmup_epochs"] * steps_per_epoch),
         weight_decay=v["weight_decay"], eps=1e-8, layer_decay=0.75,
         clip_norm=0.0)                                    # MAE clips no gradients

@@ -24,9 +24,10 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from favor import checkpoint, data, models, rundir, sharding, tasks, uptrain
+from favor import data, models, sharding, tasks, uptrain
+from favor.train import checkpoint, rundir
 from favor.data import source as source_lib
-from favor.configcheck import ConfigError, integer
+from favor.config.checks import ConfigError, integer
 from favor import attention as attention_lib
 from favor.attention import schedule
 from favor.train import optim, stage as stage_lib
@@ -321,7 +322,7 @@ def validate(config) -> None:
     (attention kind, dataset, task, model) name the valid choices."""
     missing = [k for k in RUN_KEYS if k not in config]
     if missing:
-        raise ConfigError(missing[0], None, "is required (every configs/*.py sets it through configbase.run_config)")
+        raise ConfigError(missing[0], None, "is required (every configs/*.py sets it through blocks.run_config)")
     integer(config, "seed", 0)
     integer(config, "total_steps", 0)
     for key in ("checkpoint_every", "eval_every", "log_every", "keep_checkpoints"):

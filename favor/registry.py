@@ -38,6 +38,10 @@ class Registry:
         check when built). Returns the class."""
         cls = self.lookup(name)
         bad = sorted(set(options) - set(cls.OPTIONS))
+        notes = getattr(cls, "option_note", lambda key: None)
+        for key in bad:
+            if notes(key):          # an option other entries take: say which, and why not this one
+                raise ValueError(f"{self.what} {name!r}: {notes(key)}")
         if bad:
             valid = ", ".join(f"{k}={v!r}" for k, v in cls.OPTIONS.items()) or "none"
             raise ValueError(f"{self.what} {name!r} got unknown option(s) {', '.join(map(repr, bad))}; "

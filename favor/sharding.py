@@ -20,15 +20,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from favor import configbase
-from favor.configcheck import ConfigError, get, is_int
+from favor.config import blocks
+from favor.config.checks import ConfigError, get, is_int
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 # the models whose every layer works token by token or through favor.attention.sequence: what a
 # sequence axis may split (the Conformer's convolution and ViT's class token would need their own)
 SEQUENCE_MODELS = ("decoder", "bert")
 BATCH_AXES = ("data", "fsdp")
-DEFAULT_RULES = configbase.DEFAULT_RULES
+DEFAULT_RULES = blocks.DEFAULT_RULES
 
 
 def mesh_shape(spec: Mapping[str, int], num_devices: int) -> dict[str, int]:

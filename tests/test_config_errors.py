@@ -11,7 +11,7 @@ import pytest
 
 from favor import attention, data, job
 from favor.attention import kinds as kinds_lib
-from favor.configcheck import ConfigError
+from favor.config.checks import ConfigError
 from favor.uptrain.transfer import NAMED
 from conftest import xla_flags
 

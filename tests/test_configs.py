@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import attention, configlib, job
+from favor import attention, job
+from favor.config import loading
 from favor.attention import qknorm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def test_every_config_variant_builds_and_validates(module, arg, tmp_path):
 
 
 def test_arg_strings_parse_into_the_types_of_the_defaults():
-    args = configlib.parse_arg("runlocal,kind=favor#,steps=12,lr=0.5,flag=0,other=False",
+    args = loading.parse_arg("runlocal,kind=favor#,steps=12,lr=0.5,flag=0,other=False",
                                runlocal=False, kind="favor++", steps=0, lr=1.0, flag=True, other=True, name="x")
     assert args.to_dict() == {"runlocal": True, "kind": "favor#", "steps": 12, "lr": 0.5, "flag": False,
                               "other": False, "name": "x"}
@@ -68,13 +69,13 @@ def test_kind_options_in_the_arg_reach_the_attention_block():
 
 
 def test_one_optimizer_block():
-    o = configlib.optim(lr=1, warmup_steps=10.0, b2=0.98)
-    assert sorted(o) == sorted(configlib.OPTIM_DEFAULTS) and len(o) == 12
+    o = loading.optim(lr=1, warmup_steps=10.0, b2=0.98)
+    assert sorted(o) == sorted(loading.OPTIM_DEFAULTS) and len(o) == 12
     assert o.lr == 1.0 and isinstance(o.lr, float) and o.warmup_steps == 10 and isinstance(o.warmup_steps, int)
     assert o.b2 == 0.98 and o.name == "adamw" and o.accumulate_steps == 1
     with pytest.raises(ValueError, match="unknown key.s. beta1; valid: name, lr"):
-        configlib.optim(beta1=0.9)
-    assert bert_pretrain.get_config().optim.to_dict() == dict(configlib.OPTIM_DEFAULTS, lr=1e-4, schedule="linear",
+        loading.optim(beta1=0.9)
+    assert bert_pretrain.get_config().optim.to_dict() == dict(loading.OPTIM_DEFAULTS, lr=1e-4, schedule="linear",
                                                               warmup_steps=10_000, weight_decay=0.01, eps=1e-6)
 
 
@@ -87,7 +88,7 @@ EXPECTED_MECHANISM = {"favor": "trig", "favor+": "positive", "favor++": "oprf", 
 def test_each_kind_is_built_as_it_names_itself(config_file, kind):
     """Built exactly as the trainer builds it: no config may force a coupling on a kind (an orthogonal
     coupling turned simrf into FAVOR+), so each RF kind gets its own mechanism and coupling."""
-    config = configlib.load(str(ROOT / "configs" / config_file))
+    config = loading.load(str(ROOT / "configs" / config_file))
     config.model.attention.kind = kind
     options, qk = qknorm.split(attention.block_options(config.model.attention))   # the layer takes qk_*
     attn = attention.get(**options)
@@ -122,6 +123,6 @@ def test_decoder_lm_sizes_are_keys_a_command_line_sets():
     c = decoder_lm.get_config("data=local")
     assert (c.model.hidden, c.model.num_layers, c.model.heads, c.model.mlp_dim) == (256, 4, 4, 704)
     for flag in ("model.hidden=128", "model.num_layers=2", "model.mlp_dim=384"):
-        configlib.apply_flag(c, flag)
+        loading.apply_flag(c, flag)
     job.validate(c)
     assert (c.model.hidden, c.model.num_layers, c.model.mlp_dim) == (128, 2, 384)

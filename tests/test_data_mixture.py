@@ -5,7 +5,8 @@ main source alone, and the errors."""
 import numpy as np
 import pytest
 
-from favor import configlib, data, job
+from favor import data, job
+from favor.config import loading
 from favor.data import mixture, mqar
 from favor.data.source import ArraySource
 
@@ -135,5 +136,5 @@ def test_the_config_check_reports_a_bad_mix_in_one_line():
     from configs import mqar as mqar_config
     c = mqar_config.get_config("runlocal")
     c.data.mix_rate = 0.5
-    with pytest.raises(configlib.ConfigError, match=r"config.data=.*mix_rate=0.5: needs data.mix_in"):
+    with pytest.raises(loading.ConfigError, match=r"config.data=.*mix_rate=0.5: needs data.mix_in"):
         job.validate(c)

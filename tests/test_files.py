@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
 
-from favor import configlib, job, uptrain
+from favor import job, uptrain
+from favor.config import loading
 from favor.data import files, text, tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,25 +51,25 @@ def test_splits_slice_the_documents_as_tfds_slices_a_split():
     for split, want in (("train", docs), ("train[:98%]", docs[:49]), ("train[98%:]", docs[49:]),
                         ("train[10%:20%]", docs[5:10]), ("train[3:7]", docs[3:7]), ("train[-2:]", docs[-2:])):
         assert docs[files.split_slice(split, n)] == want, split
-    with pytest.raises(configlib.ConfigError, match=r"config.data.eval_split='validation': files: has one split"):
+    with pytest.raises(loading.ConfigError, match=r"config.data.eval_split='validation': files: has one split"):
         files.split_slice("validation", n, "data.eval_split")
 
 
 def test_bad_files_are_one_clear_error(tmp_path):
-    with pytest.raises(configlib.ConfigError, match=r"config.data.dataset='files:.*nothing\*': matches no "):
+    with pytest.raises(loading.ConfigError, match=r"config.data.dataset='files:.*nothing\*': matches no "):
         files.paths(f"files:{tmp_path / 'nothing*'}")
     (tmp_path / "x.jsonl").write_text('{"body": "a"}\n')
-    with pytest.raises(configlib.ConfigError, match=r"config.data.text_field='text': .*x.jsonl line 1 has no text "
+    with pytest.raises(loading.ConfigError, match=r"config.data.text_field='text': .*x.jsonl line 1 has no text "
                                                     r"under it \('body'\)"):
         files.documents(files.paths(f"files:{tmp_path / 'x.jsonl'}"), "text")
     (tmp_path / "x.jsonl").write_text('{"text": "a"}\nnot json\n')
-    with pytest.raises(configlib.ConfigError, match="line 2 is not JSON"):
+    with pytest.raises(loading.ConfigError, match="line 2 is not JSON"):
         files.documents(files.paths(f"files:{tmp_path / 'x.jsonl'}"), "text")
     (tmp_path / "y.csv").write_text("a,b\n")
-    with pytest.raises(configlib.ConfigError, match=r"y.csv is neither plain text nor JSONL; files: takes .txt"):
+    with pytest.raises(loading.ConfigError, match=r"y.csv is neither plain text nor JSONL; files: takes .txt"):
         files.paths(f"files:{tmp_path / '*'}")
     (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
-    with pytest.raises(configlib.ConfigError, match=r"config.data.eval_split='train\[99%:\]': holds none of the 1 "):
+    with pytest.raises(loading.ConfigError, match=r"config.data.eval_split='train\[99%:\]': holds none of the 1 "):
         files.open_splits(f"files:{tmp_path / 'x.jsonl'}", "text", {"data.train_split": "train",
                                                                       "data.eval_split": "train[99%:]"})
 

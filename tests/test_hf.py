@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from favor import configlib, models
+from favor import models
+from favor.config import loading
 from hf_reference import inputs, long_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,7 +359,7 @@ def test_a_decoder_run_starts_from_a_hugging_face_checkpoint(hf_reference, docst
         with pytest.raises(ValueError, match=says):
             job.rebuild(changed, tmp_path / "other")
     config.model.rope_scaling = "ntk:factor=2"
-    with pytest.raises(configlib.ConfigError, match=r"config.model.rope_scaling='ntk:factor=2': .*unknown type 'ntk'"):
+    with pytest.raises(loading.ConfigError, match=r"config.model.rope_scaling='ntk:factor=2': .*unknown type 'ntk'"):
         job.validate(config)
 
 

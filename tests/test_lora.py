@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from favor import configlib, job, models
+from favor import job, models
+from favor.config import loading
 from favor.models import lora
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,19 +194,19 @@ def test_lora_config_errors_name_the_key(hf_reference, tmp_path):
                               ("lora_targets", "(", "regular expression")):
         config = _lora_config(path)
         config.uptrain[key] = value
-        with pytest.raises(configlib.ConfigError, match=f"uptrain.{key}.*{words}"):
+        with pytest.raises(loading.ConfigError, match=f"uptrain.{key}.*{words}"):
             job.validate(config)
     config = _lora_config(path, transfer=0)
     config.model.init_from = ""
-    with pytest.raises(configlib.ConfigError, match="uptrain.trainable.*needs model.init_from"):
+    with pytest.raises(loading.ConfigError, match="uptrain.trainable.*needs model.init_from"):
         job.validate(config)
     config = _lora_config(path, transfer=0, trainable="all", finetune="lora")
     config.model.init_from = ""
-    with pytest.raises(configlib.ConfigError, match="uptrain.finetune='lora': needs model.init_from"):
+    with pytest.raises(loading.ConfigError, match="uptrain.finetune='lora': needs model.init_from"):
         job.validate(config)
     config = _lora_config(path, finetune="adapters")
-    with pytest.raises(configlib.ConfigError, match="uptrain.finetune='adapters': must be one of 'all', 'lora'"):
+    with pytest.raises(loading.ConfigError, match="uptrain.finetune='adapters': must be one of 'all', 'lora'"):
         job.validate(config)
     config = _lora_config(path, lora_targets=r"attention\.nothing$")
-    with pytest.raises(configlib.ConfigError, match="uptrain.lora_targets.*select no projection.*layers.0.attention.key"):
+    with pytest.raises(loading.ConfigError, match="uptrain.lora_targets.*select no projection.*layers.0.attention.key"):
         job.run(config, tmp_path / "none")

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import configlib, data, job, sweeps
+from favor import data, job
+from favor.config import loading, sweeps
 from favor.data import mqar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,9 +79,9 @@ def test_sweep_is_recall_against_state_size_and_every_item_is_a_valid_run():
     # softmax, 3 random-feature kinds × 3 widths, ELU once, FAVOR+ with a band: 12 settings, 3 seeds, seed by seed
     assert len(runs) == 36 and [r.overrides["seed"] for r in runs] == [s for s in range(3) for _ in range(12)]
     for run in runs[:12]:
-        config = configlib.load(spec)
+        config = loading.load(spec)
         for key, value in run.overrides.items():
-            configlib.apply_flag(config, f"{key}={value}")
+            loading.apply_flag(config, f"{key}={value}")
         job.validate(config)
     assert runs[11].name == "kind=favor+_num_features=64_window=8_seed=0"
     with pytest.raises(ValueError, match=r"kinds: unknown 'favor\+\+\+'"):

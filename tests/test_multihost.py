@@ -84,7 +84,8 @@ def test_processes_that_share_rows_need_no_share_of_the_batch(monkeypatch):
     import jax
 
     from configs import decoder_lm
-    from favor import configcheck, sharding
+    from favor import sharding
+    from favor.config import checks
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     n = jax.device_count()
     c = decoder_lm.get_config("runlocal")
@@ -95,6 +96,6 @@ def test_processes_that_share_rows_need_no_share_of_the_batch(monkeypatch):
     if n >= 2:
         c.mesh = {"data": n, "fsdp": 1, "sequence": 1, "tensor": 1}
         c.batch_size = c.eval_batch_size = n + 1
-        with pytest.raises(configcheck.ConfigError, match=f"divisible by the number of data-parallel devices "
+        with pytest.raises(checks.ConfigError, match=f"divisible by the number of data-parallel devices "
                                                           rf"\({n}\) and by the 2 processes"):
             sharding.check(c)

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from favor import configlib, models
+from favor import models
+from favor.config import loading
 from favor.train import optim
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def ocfg(**kw):
-    return configlib.optim(**{"lr": 1e-3, "warmup_steps": 10, "weight_decay": 0.1, "clip_norm": 0.0, **kw})
+    return loading.optim(**{"lr": 1e-3, "warmup_steps": 10, "weight_decay": 0.1, "clip_norm": 0.0, **kw})
 
 
 def test_schedules_warm_up_then_decay():

@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from favor import configlib, job
+from favor import job
+from favor.config import loading
 from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, all
     for part in path:
         node = node[part]
     node[last] = value
-    with pytest.raises(configlib.ConfigError) as e:
+    with pytest.raises(loading.ConfigError) as e:
         job.validate(config)
     assert e.value.key == key and str(e.value).startswith(f"config.{key}={value!r}: ")
     assert allowed in str(e.value)
@@ -86,7 +87,7 @@ def test_init_from_must_name_a_source(tmp_path, eight_devices):
     for spec, allowed in (("bert-base-uncased", "must be '' (fresh weights) or name a source: expected 'run:<workdir>'"),
                           (f"hf:{tmp_path / 'missing'}", "is not a directory")):
         config.model.init_from = spec
-        with pytest.raises(configlib.ConfigError, match="config.model.init_from=") as e:
+        with pytest.raises(loading.ConfigError, match="config.model.init_from=") as e:
             job.validate(config)
         assert allowed in str(e.value)
     config.model.init_from = f"hf:{tmp_path}"

@@ -37,20 +37,21 @@ def test_every_package_registry_is_one():
 
 
 def test_an_attention_block_is_read_in_one_place():
-    """read_block is the one reading of an attention block: a config's (configlib.attention, every kind's
+    """read_block is the one reading of an attention block: a config's (loading.attention, every kind's
     options, those the kind does not take dropped, the redraw schedule checked) and a model's own (an option
     the kind does not take is an error); each error names the key at fault."""
-    from favor import attention, configbase
-    block = configbase.attention("favor#", num_features=32, variant="saderf", qk_norm="l2")
+    from favor import attention
+    from favor.config import blocks
+    block = blocks.attention("favor#", num_features=32, variant="saderf", qk_norm="l2")
     kind, options, qk = attention.read_block(block, from_config=True)
     assert kind == "favor#" and options["variant"] == "saderf" and options["num_features"] == 32
     assert "window_mix" not in options or options["window_mix"] == "shared"
     assert "lambda_" not in options and qk["qk_norm"] == "l2"
-    assert attention.read_block("softmax", from_config=False) == ("softmax", {}, dict(configbase.QK_NORM_OPTIONS))
-    for block, from_config, key in ((configbase.attention("nope", 8), True, "kind"),
-                                    ({**configbase.attention("favor+", 8), "redraw": "sometimes"}, True, "redraw"),
-                                    ({**configbase.attention("favor+", 8), "qk_norm": "l3"}, True, "qk_norm"),
-                                    ({**configbase.attention("favor+", 8), "num_features": 0}, True, "num_features"),
+    assert attention.read_block("softmax", from_config=False) == ("softmax", {}, dict(blocks.QK_NORM_OPTIONS))
+    for block, from_config, key in ((blocks.attention("nope", 8), True, "kind"),
+                                    ({**blocks.attention("favor+", 8), "redraw": "sometimes"}, True, "redraw"),
+                                    ({**blocks.attention("favor+", 8), "qk_norm": "l3"}, True, "qk_norm"),
+                                    ({**blocks.attention("favor+", 8), "num_features": 0}, True, "num_features"),
                                     ({"kind": "favor+", "lambda_": "x"}, False, "lambda_"),
                                     ({"num_features": 8}, False, None)):
         with pytest.raises(attention.BlockError) as e:

@@ -317,7 +317,8 @@ def test_speech_sweep_settings_are_valid_configs():
     """Every run of the full speech sweep is an override set train.py accepts (applied to the config and
     validated as a run is), giving the settings the report expects, 3 seeds each; the quick sweep is the
     tests' four runs."""
-    from favor import configlib, job, sweeps
+    from favor import job
+    from favor.config import loading, sweeps
     from favor.repro import speech_kernels as sk, trained
     from favor.tools.report import RunRecord
 
@@ -327,9 +328,9 @@ def test_speech_sweep_settings_are_valid_configs():
     runs = sweeps.load(spec)
     labels = []
     for run in runs:
-        config = configlib.load(spec)
+        config = loading.load(spec)
         for key, value in run.overrides.items():
-            configlib.apply_flag(config, f"{key}={value}")
+            loading.apply_flag(config, f"{key}={value}")
         job.validate(config)
         assert config.total_steps == 300 and config.data.dataset == "local:hard" and config.model.conv_kernel == 1
         record = RunRecord(run.name, None, config={"model.attention.kind": config.model.attention.kind,
@@ -353,8 +354,8 @@ def test_speech_sweep_settings_are_valid_configs():
     assert len(same) == 3 * len(sk.asked_settings([8, 16], 16, quick=False)) == 30
     for bad in ("steps=-1", "conv_kernel=-3", "runlocal,steps=400"):
         with pytest.raises(ValueError, match="steps=|conv_kernel="):
-            configlib.load(path + ":data=hard," + bad)
-    assert configlib.load(path + ":data=hard,runlocal").data.dataset == "local:hard_tiny"
+            loading.load(path + ":data=hard," + bad)
+    assert loading.load(path + ":data=hard,runlocal").data.dataset == "local:hard_tiny"
 
 
 def test_trained_reproduction_rejects_one_seed_and_a_failed_sweep(tmp_path, capsys, monkeypatch):
@@ -543,7 +544,7 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
     adds its w + 1 keys, values, log-features and positions, (w + 1)·(2·head dim + F + 1), per head and layer); on made-up runs the settings group by kind and
     width, and the state, band and FAVOR# claims are rated with the hand-computed Welch z."""
     import numpy as np
-    from favor import configlib
+    from favor.config import loading
     from favor.repro import mqar_kernels as mk, trained
 
     path = trained.config_path("mqar.py")
@@ -555,7 +556,7 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
               ("elu", 64, 0): layers * heads * head * (head + 2),
               ("favor+", 64, 8): layers * heads * (64 * (head + 2) + 9 * (1 + 64 + 2 * head))}
     for (kind, f, w), numbers in expect.items():
-        c = configlib.load(f"{path}:kind={kind},num_features={f},window={w}")
+        c = loading.load(f"{path}:kind={kind},num_features={f},window={w}")
         assert mk.state_numbers(c) == numbers, (kind, f, w)
 
     acc = {("softmax", 64, 0): (0.95, 0.97, 0.96), ("favor+", 16, 0): (0.10, 0.12, 0.11),
@@ -594,7 +595,7 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
     assert mk._label(hrf) == "HRF (qk l2) F=64"
     # the sweep's runs carry exactly the labels the report asks for (kinds, others, bands, l2 on trig/HRF)
     from types import SimpleNamespace
-    from favor import sweeps
+    from favor.config import sweeps
     spec = f"{path}:seeds=1,kinds=favor/elu/favor+,others=hrf/relu/favor+/simrf,widths=8/32/128,bands=4"
     labels = sorted(mk._label(SimpleNamespace(settings=r.overrides)) for r in sweeps.load(spec))
     assert labels == sorted(mk.asked_settings(("favor", "elu", "favor+"), [8, 32, 128], [4],
@@ -666,7 +667,7 @@ def test_uptrain_sweeps_give_the_settings_the_report_asks_for():
     loaded from its config as the launcher does), for the default kinds and for specs whose variant is
     left to the kind (favor# is FAVOR# (SDERF), hrf HRF (angular))."""
     import argparse
-    from favor import sweeps
+    from favor.config import sweeps
     from favor.repro import uptrain_kernels as uk
     from favor.tools.report import RunRecord
 
@@ -756,7 +757,8 @@ def test_linearize_sweep_settings_are_valid_configs_named_as_asked(tmp_path):
     LoLCATs' recipe with transfer only where the kind has something to transfer) and carries the label the
     report asks for; the recipes give the same number of steps."""
     import argparse
-    from favor import configlib, job, sweeps, uptrain
+    from favor import job, uptrain
+    from favor.config import loading, sweeps
     from favor.repro import linearize as lin
     from favor.tools.report import RunRecord
 
@@ -770,10 +772,10 @@ def test_linearize_sweep_settings_are_valid_configs_named_as_asked(tmp_path):
     for r in runs:
         if r.overrides["seed"]:
             continue
-        config = configlib.load(base)
-        configlib.apply_flag(config, f"model.init_from=run:{tmp_path / 'source'}")
+        config = loading.load(base)
+        loading.apply_flag(config, f"model.init_from=run:{tmp_path / 'source'}")
         for key, value in r.overrides.items():
-            configlib.apply_flag(config, f"{key}={value}")
+            loading.apply_flag(config, f"{key}={value}")
         job.validate(config)
         assert config.total_steps == 300, r.overrides
         # a run's flags fix its recipe whatever get_config's own defaults are: full fine-tuning has no adapters

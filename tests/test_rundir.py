@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from favor import checkpoint, configlib, job, rundir
+from favor import job
+from favor.train import checkpoint, rundir
+from favor.config import loading
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -118,11 +120,11 @@ def test_the_record_is_the_checkpoint_the_resume_would_continue(copy):
 def test_a_start_that_fails_writes_nothing(softmax_run, tmp_path):
     # the source's hidden is 32: the parameters do not fit, found when they are loaded
     bad = tiny(**{"model.attention.kind": "favor+", "model.hidden": 64, "model.init_from": f"run:{softmax_run}"})
-    with pytest.raises(configlib.ConfigError, match=r"config.model.init_from=.*has shape \(32,\) in the source"):
+    with pytest.raises(loading.ConfigError, match=r"config.model.init_from=.*has shape \(32,\) in the source"):
         job.run(bad, tmp_path / "new")
     assert not (tmp_path / "new").exists()
     (tmp_path / "empty").mkdir()
-    with pytest.raises(configlib.ConfigError, match="config.uptrain.lora_targets='nonexistent'"):
+    with pytest.raises(loading.ConfigError, match="config.uptrain.lora_targets='nonexistent'"):
         job.run(tiny(**{"model.init_from": f"run:{softmax_run}", "uptrain.trainable": "lora",
                         "uptrain.lora_targets": "nonexistent"}), tmp_path / "empty")
     assert not any((tmp_path / "empty").iterdir())

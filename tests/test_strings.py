@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from favor import attention, strings, sweeps
+from favor import attention, strings
+from favor.config import sweeps
 from favor.bench import common
 from favor.repro import trained
 

@@ -15,14 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from favor import attention, sweeps
+from favor import attention
+from favor.config import sweeps
 from favor.train import events
 from favor.tools import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# -- favor.sweeps -------------------------------------------------------------------------------------
+# -- favor.config.sweeps -------------------------------------------------------------------------------------
 def test_product_is_every_combination_first_axis_slowest():
     items = list(sweeps.product({"model.attention.kind": ("a", "b", "c"), "model.attention.num_features": (16, 64),
                                  "seed": (0, 1)}))
@@ -84,7 +85,8 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
     and every run of the sweeps that take specs (the digits ViT, the GLUE fine-tuning, the BERT pretraining)
     applies to its config and validates as train.py would, with the variant reaching the attention layer's
     options; FAVOR# without a variant keeps its own (SDERF)."""
-    from favor import attention, configlib, job
+    from favor import attention, job
+    from favor.config import loading
     spec = str(ROOT / "configs/default.py") + ":seeds=1,kinds=favor+/favor#:saderf/favor#/hrf:gaussian/favor+@8"
     assert [r.overrides for r in sweeps.load(spec)] == [
         {"model.attention.kind": "favor+", "seed": 0},
@@ -98,9 +100,9 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
                         str(ROOT / "configs/bert_pretrain.py") + ":data=local,seeds=1,kinds=softmax/favor#:saderf"):
         options = []
         for run in sweeps.load(config_spec):
-            config = configlib.load(config_spec)
+            config = loading.load(config_spec)
             for key, value in run.overrides.items():
-                configlib.apply_flag(config, f"{key}={value}")
+                loading.apply_flag(config, f"{key}={value}")
             job.validate(config)
             options.append(attention.block_options(config.model.attention))
         kinds = [(o["kind"], o.get("variant")) for o in options]
@@ -109,15 +111,15 @@ def test_kind_specs_in_a_sweep_set_the_kinds_option_and_each_run_is_a_valid_conf
                                                                               ("favor#", "saderf", None)}
     glue = sweeps.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,seeds=2")
     assert len(glue) == 2 * 7 and [r.overrides["seed"] for r in glue] == [0] * 7 + [1] * 7
-    assert configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=300").eval_every == 60
+    assert loading.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=300").eval_every == 60
     for bad, match in (("kinds=favor#:nope", r"kinds: .*variant.*'nope'"), ("kinds=favor+:x", r"kinds: 'favor\+' has no variant"),
                        ("kinds=", "kinds: an empty list"), ("kinds=fav", r"kinds: unknown attention kind 'fav'")):
         with pytest.raises(ValueError, match=match):
             sweeps.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder," + bad)
     with pytest.raises(ValueError, match="steps=-5: expected a positive"):
-        configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=-5")
+        loading.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,steps=-5")
     with pytest.raises(ValueError, match="runlocal and local"):
-        configlib.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,runlocal")
+        loading.load(str(ROOT / "configs/bert_glue.py") + ":task=docorder,local,runlocal")
 
 
 # -- launch/sweep_local.py on real runs -----------------------------------------------------------------
@@ -125,7 +127,7 @@ SWEEP_CONFIG = """
 import os, sys
 sys.path.insert(0, {root!r})
 from configs import default
-from favor import sweeps
+from favor.config import sweeps
 from favor.train import events
 
 def get_config(arg=None):

@@ -18,7 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from favor import checkpoint, configlib, job, models, sharding, tasks
+from favor import job, models, sharding, tasks
+from favor.train import checkpoint
+from favor.config import loading
 from favor.train import optim
 from favor.attention import schedule
 from favor.data.prefetch import prefetch
@@ -76,7 +78,7 @@ def _step_inputs():
     model = models.get("vit", "tiny", rngs=nnx.Rngs(0), image_size=8, patch_size=2, channels=1, num_classes=10,
                        hidden=16, num_layers=1, heads=2, mlp_dim=32,
                        attention={"kind": "favor++", "num_features": 8})
-    tx, lr = optim.make(configlib.optim(lr=1e-2, schedule="constant", weight_decay=0.1), total_steps=10)
+    tx, lr = optim.make(loading.optim(lr=1e-2, schedule="constant", weight_decay=0.1), total_steps=10)
     rng = np.random.default_rng(0)
     batch = {"image": rng.random((8, 8, 8, 1), np.float32), "label": rng.integers(0, 10, 8).astype(np.int32)}
     static = dict(graphdef=nnx.graphdef(model), task=tasks.get({"name": "classification"}), tx=tx, lr_schedule=lr,
@@ -302,7 +304,7 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
 
 def test_bad_input_is_a_clear_error(tmp_path):
     """run() checks the config as train.py does (tests/test_overrides.py has the command-line side)."""
-    with pytest.raises(configlib.ConfigError, match=r"config.model.attention.kind='favour': must be one of .*favor\+\+"):
+    with pytest.raises(loading.ConfigError, match=r"config.model.attention.kind='favour': must be one of .*favor\+\+"):
         job.run(tiny(**{"model.attention.kind": "favour"}), tmp_path)
     with pytest.raises(ValueError, match=r"mesh .*'data': 3.* 1 are available"):
         job.run(tiny(mesh={"data": 3}), tmp_path)

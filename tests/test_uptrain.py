@@ -14,7 +14,8 @@ import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
 
-from favor import configlib, data, models, tasks, job, uptrain
+from favor import data, models, tasks, job, uptrain
+from favor.config import loading
 from favor.bench import uptrain as bench_uptrain
 from favor.data import tokenizers
 
@@ -148,7 +149,7 @@ def test_init_from_mismatches_and_bad_sources_are_clear_errors(softmax_run, tmp_
                           (f"run:{softmax_run}@last", "is not a number"),
                           ("bert-base-uncased", "expected 'run:<workdir>'")):
         config.model.init_from = spec
-        with pytest.raises(configlib.ConfigError, match="config.model.init_from=") as e:
+        with pytest.raises(loading.ConfigError, match="config.model.init_from=") as e:
             job.validate(config)
         assert allowed in str(e.value)
     # a relative path (as a user types it) reads the same checkpoint: orbax needs absolute paths
@@ -206,7 +207,7 @@ def test_attention_transfer_lowers_the_attention_error_and_moves_only_the_chosen
     assert "transfer/mse_layer_0" in events.Tags()["tensors"]
 
     config.uptrain.trainable = "no_such_parameter"
-    with pytest.raises(configlib.ConfigError, match="config.uptrain.trainable='no_such_parameter': selects no "
+    with pytest.raises(loading.ConfigError, match="config.uptrain.trainable='no_such_parameter': selects no "
                                                     "parameter of this model"):
         job.run(config, tmp_path / "none")
     assert not (tmp_path / "none").exists()                  # a start that fails writes nothing
@@ -214,11 +215,11 @@ def test_attention_transfer_lowers_the_attention_error_and_moves_only_the_chosen
                                 ("uptrain.trainable", "(", "must be 'query_key', 'all', 'feature_maps', 'lora' or a regular")):
         bad = config.copy_and_resolve_references()
         bad.uptrain[key.split(".")[1]] = value
-        with pytest.raises(configlib.ConfigError, match=f"config.{key}="):
+        with pytest.raises(loading.ConfigError, match=f"config.{key}="):
             job.validate(bad)
     fresh = tiny("favor+")
     fresh.uptrain.transfer_steps = 4
-    with pytest.raises(configlib.ConfigError, match="needs model.init_from"):
+    with pytest.raises(loading.ConfigError, match="needs model.init_from"):
         job.validate(fresh)
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import reference
-from favor import attention, configlib, job
+from favor import attention, job
+from favor.config import loading
 from favor.attention import window as window_lib
 from test_attention import (calibration_stats, check_gradients_against_explicit, check_prefill, context_of, key_mask,
                             make, qkv)
@@ -241,7 +242,7 @@ def test_config_override_reaches_the_layer():
     job.validate(config)
     assert attention.block_options(config.model.attention)["window"] == 4
     config.model.attention.window = -2
-    with pytest.raises(configlib.ConfigError, match="model.attention.window"):
+    with pytest.raises(loading.ConfigError, match="model.attention.window"):
         job.validate(config)
 
 

@@ -57,13 +57,13 @@ def causal_maps(query_map, key_map, ctx, x, y, v, valid=None, positive=True, chu
     Two algorithms with the same result: "fast" (one matmul per chunk of `chunk_size` tokens, its
     prefix from the chunk states of the span and the carried sum) is exact while no key exceeds its
     span's causal reference by more than FAST_EXCEEDANCE; "exact" forms the diagonal blocks of
-    EXACT_BLOCK tokens in log space and is exact for any input, at several times the cost. "auto" takes
-    the fast one for each span unless one of its valid keys exceeds the bound (one `lax.cond` per
-    span). The fast path's guarantee assumes every valid key's log-features are finite (true of every
-    random-feature map; ReLU's zeros are not: its kind runs "auto" as "exact"). Forced "fast" outside
-    the guarantee can be wrong, gradients included: it is for benchmarks and tests. "auto" decides per
-    span on all its keys, so a later token of the same span can switch the path and move an output at
-    rounding level (each path alone is causal bit for bit). `floor` as in `bidirectional_maps`
+    EXACT_BLOCK tokens in log space and is exact for any input, at several times the cost. "auto" runs
+    the fast one and gives each row past a key beyond the bound (in its own batch and head) the exact
+    one's output (`select_exact`: the exact path runs, under one `lax.cond` per span, only when some row
+    needs it), so no later token and no other example moves an output, bit for bit. The fast path's
+    guarantee assumes every valid key's log-features are finite (true of every random-feature map;
+    ReLU's zeros are not: its kind runs "auto" as "exact"). Forced "fast" outside the guarantee can be
+    wrong, gradients included: it is for benchmarks and tests. `floor` as in `bidirectional_maps`
     (here `jensen_floor(..., causal=True)`: prefix sums, causal too). Packed documents:
     favor.attention.documents.causal_maps.
     """
@@ -222,9 +222,26 @@ def _causal_span(query_map, key_map, ctx, c, path, carry, inputs):
     if path == "fast":
         out, scale, total = _fast_span(*ops, c)
     else:
-        out, scale, total = jax.lax.cond(jnp.max(a) <= FAST_EXCEEDANCE, lambda o: _fast_span(*o, c),
-                                         lambda o: _exact_span(*o, c), ops)
+        # a row past a key beyond the bound (in its batch and head) takes the exact path; every other row
+        # keeps the fast path's output, which depends on its own row's keys ≤ it only
+        over = cumulative(a, jnp.maximum, NEG_INF) > FAST_EXCEEDANCE                      # [B, H, S]
+        out, scale, total = select_exact(over, _fast_span(*ops, c), lambda: _exact_span(*ops, c))
     return (seen | jnp.any(jnp.isfinite(a), -1), new_tau, total), (out, scale)
+
+
+def select_exact(over, fast, exact):
+    """(out, scale, carry): the fast path's rows where `over` [B, H, S] is False, the exact path's
+    (`exact()`, computed only when some row needs it: one lax.cond) where True, and the carry of the exact
+    path for a batch and head with any such row. So a key beyond the bound moves no output of an earlier
+    row, of another example or of another head, bit for bit. The carry is a pytree whose leaves lead with
+    [B, H] (a [B] leaf, the run of packed documents, is the same on both paths)."""
+    def taken():
+        out, scale, carry = exact()
+        pick = lambda e, f: jnp.where(jnp.reshape(over, over.shape + (1,) * (e.ndim - over.ndim)), e, f)
+        head = jnp.any(over, axis=-1)
+        moved = lambda e, f: e if e.ndim < 2 else jnp.where(jnp.reshape(head, head.shape + (1,) * (e.ndim - 2)), e, f)
+        return pick(out, fast[0]), pick(scale, fast[1]), jax.tree.map(moved, carry, fast[2])
+    return jax.lax.cond(jnp.any(over), taken, lambda: fast)
 
 
 def _carry_keep(tau0, new_tau):

@@ -15,10 +15,11 @@ logits after one of large logits keeps every digit.
 
 The causal pass runs spans as favor.attention.causal does, carrying (seen, τ, T, run): the carried
 document's key maximum and sum, and which document that is (its run). Within a span, `_fast_span`
-(chunks: a masked [C, C] product within a chunk, the state of the carried document across chunks)
-while no key exceeds its document's reference by e^FAST_EXCEEDANCE, else `_exact_span` (blocks whose
-pair terms are formed in log space). Query and key runs are separate arrays (`rq`, `rk`): the window's
-off-band part and the bidirectional pass's reversed part shift the keys against the queries.
+(chunks: a masked [C, C] product within a chunk, the state of the carried document across chunks),
+and `_exact_span` (blocks whose pair terms are formed in log space) for the rows past a key of their
+document that exceeds its reference by e^FAST_EXCEEDANCE. Query and key runs are separate arrays
+(`rq`, `rk`): the window's off-band part and the bidirectional pass's reversed part shift the keys
+against the queries.
 Bidirectional = the causal sums (j ≤ i) plus the reversed causal sums over keys shifted by one
 (j > i), each on its own scale, combined before the one division.
 """
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from favor.attention.causal import (CAUSAL_CHUNK, EXACT_BLOCK, FAST_EXCEEDANCE, PATHS, _span, _unit,
-                                    aligned_queries, document_prefix)
+                                    aligned_queries, document_prefix, select_exact)
 from favor.attention.floor import ratio
 from favor.attention.linear import (F32, NEG_INF, NO_RUN, _in_chunks, _row_scaled, _valid_chunks, _with_sign, combine,
                                     finite_or, ones_column, segmented, seq_length, sg)
@@ -254,8 +255,12 @@ def causal_sums(query_map, key_map, ctx, x, y, v1, valid, rq, rk, chunk_size=CAU
             if path == "fast":
                 out, scale, carry = fast(ops, carry)
             else:
-                over = jnp.max(jnp.max(lk - ref, axis=-1)) > FAST_EXCEEDANCE
-                out, scale, carry = jax.lax.cond(over, exact, fast, ops, carry)
+                # per row, as favor.attention.causal: the exact path's output from the first key of the
+                # row's own document beyond the bound (the key runs lag the query runs by the shift)
+                a = jnp.max(lk - ref, axis=-1)
+                over = segmented(a, _expand(rk_s), jnp.maximum, NEG_INF)
+                over = jnp.where(_expand(rq_s == rk_s), over, NEG_INF) > FAST_EXCEEDANCE
+                out, scale, carry = select_exact(over, fast(ops, carry), lambda: exact(ops, carry))
         return carry, (out, scale)
 
     inputs = (xs, ys, v1s, valids, rqs, rks)

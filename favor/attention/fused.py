@@ -17,8 +17,10 @@ chunks of `chunk` tokens (segments: see "calls" below):
   valid key before any), a per-key scalar a_j = max_f(l_k(j, f) − τ_f) that weights the values by
   e^(a_j), a running α_i = max_{j ≤ i} a_j that divides, the in-chunk part a masked [c, c] product, the
   earlier chunks through the carried state. Every factor depends on its own token and the carry, so
-  the pass is causal bit for bit. It is exact while every a_j ≤ EXCEEDANCE; the kernel reports the
-  largest a_j and the caller (`attend`) recomputes the call on favor's exact XLA path beyond it.
+  the pass is causal bit for bit. A row is exact while every a_j of its keys is ≤ EXCEEDANCE; the kernel
+  writes each a_j, and `attend` names the rows at or after a key beyond the bound (in their own batch,
+  head and document), whose outputs the caller takes from favor's exact XLA path. Every other row keeps
+  the kernel's output, which no such key touches.
 
 Backward: a custom VJP with kernels of its own, the stabilisers constants (they cancel in the ratio).
 With h_i = [g_i, −g_i·o_i] / den_i (g the output's cotangent, o the output):
@@ -35,12 +37,16 @@ Packed documents (`attend(..., runs=)`): kernels of their own (the section "pack
 call without documents runs exactly the kernels above.
 
 On CPU the kernels run in Pallas interpret mode (what the tests check); on GPU they lower through
-Triton, with float32-level products on the tensor cores by default (PRECISION, PRECISIONS).
+Triton, with float32-level products on the tensor cores by default (PRECISION, PRECISIONS). How a call
+is cut and run (chunk, feature block, the map's own feature count, launch, precision) is a `Plan`, a
+static argument of every kernel: features past the map's own count pad a block and are masked by their
+index, never by a value they hold.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,19 +73,26 @@ HIGHEST = jax.lax.Precision.HIGHEST
 PRECISIONS = {"highest": HIGHEST, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
               "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32}
 PRECISION = "tf32x3"
-# what `_dot` uses while `_call` traces a kernel: set and reset around that one call (tracing a kernel is
-# synchronous; two threads tracing kernels at different precisions at once would need a lock)
-_tracing_precision = [HIGHEST]
-
-
-def _dot(a, b, ta=False, tb=False):
+def _dot(a, b, ta=False, tb=False, *, precision):
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=_tracing_precision[0], preferred_element_type=F32)
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def _log_features(x, r, p, c):
-    """[n, D] inputs -> [n, F] log-features."""
-    return _dot(x, p) + c[None, :] + r[:, None]
+def _log_features(dot, x, r, p, c, real):
+    """[n, D] inputs -> [n, F] log-features; LOW in the features that only pad the kernel's width (`real`
+    False), which then set no maximum and weigh nothing."""
+    return jnp.where(real[None, :], dot(x, p) + c[None, :] + r[:, None], LOW)
+
+
+def _real(fb, f):
+    """[fb]: which features of the program's block are the map's own (the first f of the padded width)."""
+    return pl.program_id(2) * fb + _iota(fb) < f
+
+
+def _tools(fb, f, precision):
+    """What a kernel computes with: its matrix product at `precision` (a static argument of the kernel) and
+    the mask of its feature block's real features."""
+    return functools.partial(_dot, precision=precision), _real(fb, f)
 
 
 def _iota(n):
@@ -125,7 +138,7 @@ def _chunks(ref, c):
     return ref.shape[0] // c
 
 
-def _key_state(xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, n):
+def _key_state(dot, real, xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, n):
     """(τ [F], T [F, Dv], z [F]) over the program's keys: the running per-feature key maximum (LOW where no
     valid key) and Σ_j exp(l_k(j) − τ)[v_j, 1], every factor ≤ 1."""
     f, dv = pk.shape[1], v_ref.shape[1]
@@ -134,18 +147,20 @@ def _key_state(xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, n):
         tau, t, z = carry
         rows = _rows(i, c)
         val = val_ref[rows] > 0
-        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+        lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
         new = jnp.maximum(tau, jnp.max(lk, axis=0))
         keep = jnp.exp(tau - new)
-        fk = jnp.where(val[:, None], jnp.exp(lk - new[None, :]), 0.0)
-        return new, t * keep[:, None] + _dot(fk, _load(v_ref, rows), ta=True), z * keep + jnp.sum(fk, axis=0)
+        fk = jnp.where(val[:, None] & real[None, :], jnp.exp(lk - new[None, :]), 0.0)
+        return new, t * keep[:, None] + dot(fk, _load(v_ref, rows), ta=True), z * keep + jnp.sum(fk, axis=0)
 
     init = (jnp.full((f,), LOW, F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
     return jax.lax.fori_loop(0, n, body, init)
 
 
-def _key_state_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, t_ref, z_ref, *, c):
-    tau, t, z = _key_state(xk_ref, rk_ref, v_ref, val_ref, pk_ref[...], ck_ref[...], c, _chunks(val_ref, c))
+def _key_state_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, t_ref, z_ref, *, c, f, precision):
+    dot, real = _tools(pk_ref.shape[1], f, precision)
+    tau, t, z = _key_state(dot, real, xk_ref, rk_ref, v_ref, val_ref, pk_ref[...], ck_ref[...], c,
+                           _chunks(val_ref, c))
     tau_ref[...] = tau
     t_ref[...] = t
     z_ref[...] = z
@@ -153,16 +168,16 @@ def _key_state_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, t
 
 # -- causal ----------------------------------------------------------------------------------------
 def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                       tin_ref, sin_ref, zin_ref, o_ref, lden_ref, tau_ref, amax_ref, *, c):
+                       tin_ref, sin_ref, zin_ref, o_ref, lden_ref, tau_ref, a_ref, *, c, f, precision):
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    real = ck > 0.5 * PAD_FEATURE
+    dot, real = _tools(pk.shape[1], f, precision)
 
     def body(i, carry):
-        seen, tau, t, z, amax = carry
+        seen, tau, t, z = carry
         rows = _rows(i, c)
         val = val_ref[rows] > 0
-        lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
-        lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+        lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
+        lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
         v = _load(v_ref, rows)
         tau0 = _reference(lk, val, seen, tau)
         a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, real)
@@ -172,42 +187,41 @@ def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, c
         has = alpha > 0.5 * LOW
         scale = jnp.exp(-jnp.where(has, alpha, 0.0))
         wv = v * w[:, None]
-        s = jnp.where(tri, _dot(fq, fk, tb=True), 0.0)
-        num = (_dot(fq, t) + _dot(s, wv)) * scale[:, None]
+        s = jnp.where(tri, dot(fq, fk, tb=True), 0.0)
+        num = (dot(fq, t) + dot(s, wv)) * scale[:, None]
         den = (jnp.sum(fq * z[None, :], axis=1) + jnp.sum(s * w[None, :], axis=1)) * scale
         o_ref[rows, :] = (num / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
         # log of the true denominator Σ_j φ_q(i)·φ_k(j): what the backward pass divides by
         lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + beta, LOW)
         tau_ref[i, :] = tau0
+        a_ref[rows] = a
         new_tau = jnp.maximum(tau0, jnp.max(lk, axis=0))
         keep = jnp.exp(tau0 - new_tau)[:, None]
-        t = (t + _dot(fk, wv, ta=True)) * keep
+        t = (t + dot(fk, wv, ta=True)) * keep
         z = (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
         seen = jnp.maximum(seen, jnp.max(jnp.where(val, 1.0, 0.0)))
-        return seen, new_tau, t, z, jnp.maximum(amax, a)
+        return seen, new_tau, t, z
 
     # the carry of the earlier segments: their key state on its running maximum (LOW: no key before)
     tin = tin_ref[...]
     seen = jnp.max(jnp.where(tin > 0.5 * LOW, 1.0, 0.0))
-    init = (seen, tin, sin_ref[...], zin_ref[...], jnp.full((c,), LOW, F32))
-    *_, amax = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
-    amax_ref[...] = amax
+    jax.lax.fori_loop(0, _chunks(val_ref, c), body, (seen, tin, sin_ref[...], zin_ref[...]))
 
 
-def _causal_chunk(refs, i, c, pq, cq, pk, ck):
+def _causal_chunk(dot, real, refs, i, c, pq, cq, pk, ck):
     """What both backward sweeps read of chunk i: the forward pass's factors on its reference τ0, r_i =
     exp(β_i − log den_i), the output's cotangent g and δ_i = g_i·o_i."""
     xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref = refs
     rows = _rows(i, c)
     val = val_ref[rows] > 0
-    lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
-    lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+    lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
+    lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
     tau0 = tau_ref[i, :]
-    a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, ck > 0.5 * PAD_FEATURE)
+    a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, real)
     lden = _load(lden_ref, rows)
     # fq·r = exp(l_q + τ0 − log den) (0 for a row with no key). β_i ≤ log den_i wherever the chunk form is
-    # exact (τ0 is reached by a key the row sees); the clamp keeps r finite in a call beyond it, whose kernel
-    # gradient is discarded (the caller's exact path is used) but must not be NaN (0·inf)
+    # exact (τ0 is reached by a key the row sees); the clamp keeps r finite in a row beyond it, whose output
+    # the caller takes from the exact path (its cotangent here is 0) but whose terms must not be NaN (0·inf)
     r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
     g = _load(g_ref, rows)
     delta = jnp.sum(g * _load(o_ref, rows), axis=1)
@@ -215,30 +229,31 @@ def _causal_chunk(refs, i, c, pq, cq, pk, ck):
 
 
 def _causal_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                      o_ref, g_ref, lden_ref, tau_ref, sin_ref, zin_ref, dxq_ref, drq_ref, *sum_refs, c):
+                      o_ref, g_ref, lden_ref, tau_ref, sin_ref, zin_ref, dxq_ref, drq_ref, *sum_refs, c, f, precision):
     """∂l_q in sequence order from the prefix state the forward pass carried (the earlier segments' as it
     entered this one); with `sum_refs` (ug, ud: a call of several segments) also the segment's own query
     sums U_s = Σ_i exp(l_q(i) + R − log den_i)[g_i, −δ_i] on the reference R of its first chunk, which the
     key sweeps of the earlier segments read (one segment has no earlier one: the sums are not formed)."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    dot, real = _tools(pk.shape[1], f, precision)
     refs = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref)
     first = tau_ref[0, :] if sum_refs else None
 
     def body(i, carry):
         t, z, ug, ud = carry
-        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(refs, i, c, pq, cq, pk, ck)
+        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(dot, real, refs, i, c, pq, cq, pk, ck)
         wv = v * w[:, None]
-        m = jnp.where(tri, _dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
-        dlq = fq * r[:, None] * (_dot(g, t, tb=True) - delta[:, None] * z[None, :] + _dot(m, fk))
-        dxq_ref[rows, :] = _dot(dlq, pq, tb=True)
+        m = jnp.where(tri, dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
+        dlq = fq * r[:, None] * (dot(g, t, tb=True) - delta[:, None] * z[None, :] + dot(m, fk))
+        dxq_ref[rows, :] = dot(dlq, pq, tb=True)
         drq_ref[rows] = jnp.sum(dlq, axis=1)
         keep = jnp.exp(tau0 - jnp.maximum(tau0, jnp.max(lk, axis=0)))[:, None]
         # this chunk's rows on the segment's first reference (τ0 ≥ it once a key was seen; rows before any
         # key have r = 0)
-        t, z = (t + _dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
+        t, z = (t + dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
         if sum_refs:
             fr = fq * (r[:, None] * jnp.exp(jnp.minimum(first - tau0, 0.0))[None, :])
-            ug, ud = ug + _dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
+            ug, ud = ug + dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
         return t, z, ug, ud
 
     shapes = [ref.shape for ref in sum_refs] or [(1, 1), (1,)]
@@ -251,11 +266,12 @@ def _causal_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq
 
 def _causal_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
                       o_ref, g_ref, lden_ref, tau_ref, ugin_ref, udin_ref, rnext_ref, dxk_ref, drk_ref, dv_ref,
-                      *, c):
+                      *, c, f, precision):
     """∂l_k and ∂v in reverse: U = Σ_{i in later chunks} exp(l_q(i) + ρ − log den_i)[g_i, −δ_i] on ρ = the
     next chunk's reference, which bounds every key of this chunk (exp(l_k − ρ) ≤ 1); it enters the segment
     as the later segments' sums on the next segment's first reference."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    dot, real = _tools(pk.shape[1], f, precision)
     refs = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref)
     n = _chunks(val_ref, c)
     rnext = rnext_ref[...]
@@ -263,40 +279,41 @@ def _causal_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq
     def body(step, carry):
         ug, ud = carry
         i = n - 1 - step
-        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(refs, i, c, pq, cq, pk, ck)
+        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(dot, real, refs, i, c, pq, cq, pk, ck)
         rho = jnp.where(i + 1 < n, tau_ref[jnp.minimum(i + 1, n - 1), :], rnext)
-        ek = jnp.where(val[:, None], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
+        ek = jnp.where(val[:, None] & real[None, :], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
         fr = fq * r[:, None]
-        b = jnp.where(tri, _dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
-        s = jnp.where(tri, _dot(fq, fk, tb=True), 0.0)
-        dlk = ek * (_dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * _dot(b, fr, ta=True)
-        dv_ref[rows, :] = (_dot(ek, ug) + w[:, None] * _dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
-        dxk_ref[rows, :] = _dot(dlk, pk, tb=True)
+        b = jnp.where(tri, dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
+        s = jnp.where(tri, dot(fq, fk, tb=True), 0.0)
+        dlk = ek * (dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * dot(b, fr, ta=True)
+        dv_ref[rows, :] = (dot(ek, ug) + w[:, None] * dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
+        dxk_ref[rows, :] = dot(dlk, pk, tb=True)
         drk_ref[rows] = jnp.sum(dlk, axis=1)
         keep = jnp.exp(jnp.minimum(tau0 - rho, 0.0))
-        return (ug * keep[:, None] + _dot(fr, g, ta=True),
+        return (ug * keep[:, None] + dot(fr, g, ta=True),
                 ud * keep - jnp.sum(fr * delta[:, None], axis=0))
 
     jax.lax.fori_loop(0, n, body, (ugin_ref[...], udin_ref[...]))
 
 
 # -- bidirectional ---------------------------------------------------------------------------------
-def _query_terms(xq_ref, rq_ref, rows, pq, cq, tau):
-    lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
+def _query_terms(dot, real, xq_ref, rq_ref, rows, pq, cq, tau):
+    lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
     beta = jnp.max(lq + tau[None, :], axis=1)
     return beta, jnp.exp(lq + tau[None, :] - beta[:, None])
 
 
-def _bidir_fwd_kernel(xq_ref, rq_ref, pq_ref, cq_ref, tau_ref, t_ref, z_ref, o_ref, lden_ref, *, c):
+def _bidir_fwd_kernel(xq_ref, rq_ref, pq_ref, cq_ref, tau_ref, t_ref, z_ref, o_ref, lden_ref, *, c, f, precision):
     """The queries of one segment against the key state of every key: exp(l_q(i) + τ − β_i), β_i =
     max_f(l_q(i, f) + τ_f), so the denominator is ≥ 1 and no relevant term underflows."""
     pq, cq, tau, t, z = pq_ref[...], cq_ref[...], tau_ref[...], t_ref[...], z_ref[...]
+    dot, real = _tools(pq.shape[1], f, precision)
 
     def body(i, _):
         rows = _rows(i, c)
-        beta, fq = _query_terms(xq_ref, rq_ref, rows, pq, cq, tau)
+        beta, fq = _query_terms(dot, real, xq_ref, rq_ref, rows, pq, cq, tau)
         den = jnp.sum(fq * z[None, :], axis=1)
-        o_ref[rows, :] = (_dot(fq, t) / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
+        o_ref[rows, :] = (dot(fq, t) / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
         lden_ref[rows] = jnp.where(den > 0, jnp.log(jnp.maximum(den, 1e-37)) + beta, LOW)
         return 0
 
@@ -304,24 +321,25 @@ def _bidir_fwd_kernel(xq_ref, rq_ref, pq_ref, cq_ref, tau_ref, t_ref, z_ref, o_r
 
 
 def _bidir_dq_kernel(xq_ref, rq_ref, pq_ref, cq_ref, o_ref, g_ref, lden_ref, tau_ref, t_ref, z_ref,
-                     dxq_ref, drq_ref, ug_ref, ud_ref, *, c):
+                     dxq_ref, drq_ref, ug_ref, ud_ref, *, c, f, precision):
     """∂l_q of one segment's queries, and their sums U_s = Σ_i exp(l_q(i) + τ − log den_i)[g_i, −δ_i] (all
     on the one key reference τ: the segments' sums add)."""
     pq, cq, tau, t, z = pq_ref[...], cq_ref[...], tau_ref[...], t_ref[...], z_ref[...]
+    dot, real = _tools(pq.shape[1], f, precision)
 
     def body(i, carry):
         ug, ud = carry
         rows = _rows(i, c)
-        beta, fq = _query_terms(xq_ref, rq_ref, rows, pq, cq, tau)
+        beta, fq = _query_terms(dot, real, xq_ref, rq_ref, rows, pq, cq, tau)
         lden = _load(lden_ref, rows)
         # β_i ≤ log den_i: the denominator holds the term of the feature that sets β_i (den ≥ 1 on β's scale)
         fr = fq * jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))[:, None]
         g = _load(g_ref, rows)
         delta = jnp.sum(g * _load(o_ref, rows), axis=1)
-        dlq = fr * (_dot(g, t, tb=True) - delta[:, None] * z[None, :])
-        dxq_ref[rows, :] = _dot(dlq, pq, tb=True)
+        dlq = fr * (dot(g, t, tb=True) - delta[:, None] * z[None, :])
+        dxq_ref[rows, :] = dot(dlq, pq, tb=True)
         drq_ref[rows] = jnp.sum(dlq, axis=1)
-        return ug + _dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
+        return ug + dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
 
     init = (jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32))
     ug, ud = jax.lax.fori_loop(0, _chunks(rq_ref, c), body, init)
@@ -330,17 +348,18 @@ def _bidir_dq_kernel(xq_ref, rq_ref, pq_ref, cq_ref, o_ref, g_ref, lden_ref, tau
 
 
 def _bidir_dk_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, ug_ref, ud_ref,
-                     dxk_ref, drk_ref, dv_ref, *, c):
+                     dxk_ref, drk_ref, dv_ref, *, c, f, precision):
     pk, ck, tau, ug, ud = pk_ref[...], ck_ref[...], tau_ref[...], ug_ref[...], ud_ref[...]
+    dot, real = _tools(pk.shape[1], f, precision)
 
     def body(i, _):
         rows = _rows(i, c)
         val = val_ref[rows] > 0
-        lk = _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck)
-        ek = jnp.where(val[:, None], jnp.exp(jnp.minimum(lk - tau[None, :], 0.0)), 0.0)
-        dlk = ek * (_dot(_load(v_ref, rows), ug, tb=True) + ud[None, :])
-        dv_ref[rows, :] = _dot(ek, ug).astype(dv_ref.dtype)
-        dxk_ref[rows, :] = _dot(dlk, pk, tb=True)
+        lk = _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real)
+        ek = jnp.where(val[:, None] & real[None, :], jnp.exp(jnp.minimum(lk - tau[None, :], 0.0)), 0.0)
+        dlk = ek * (dot(_load(v_ref, rows), ug, tb=True) + ud[None, :])
+        dv_ref[rows, :] = dot(ek, ug).astype(dv_ref.dtype)
+        dxk_ref[rows, :] = dot(dlk, pk, tb=True)
         drk_ref[rows] = jnp.sum(dlk, axis=1)
         return 0
 
@@ -384,11 +403,16 @@ def tuning(causal, precision):
     return TUNING.get(("causal" if causal else "bidirectional", precision), DEFAULT_TUNING)
 
 
-def _segments(n, programs, want=None):
-    """How many segments n chunks are split into: the largest divisor of n up to `want` (default: enough
-    for SEGMENT_PROGRAMS programs beside `programs`), at most MAX_SEGMENTS."""
+def _segments(length, c, programs, want=None):
+    """(segments, padded rows) of a sequence of `length` rows in chunks of c: up to `want` segments (default:
+    enough for SEGMENT_PROGRAMS programs beside `programs`, at most MAX_SEGMENTS) of equal whole chunks,
+    the sequence padded to them. The fewest segments that keep the most chunks per segment, so the padding
+    is under one chunk per segment (67 chunks in up to 64 segments: 34 of 2, padded by one chunk)."""
+    n = -(-length // c)
     want = max(1, SEGMENT_PROGRAMS // programs) if want is None else want
-    return max(s for s in range(1, min(n, want, MAX_SEGMENTS) + 1) if n % s == 0)
+    per = -(-n // max(1, min(n, want, MAX_SEGMENTS)))          # chunks per segment
+    segments = -(-n // per)
+    return segments, segments * per * c
 
 
 def _spec(kind, shape, fb, seg, bcast=(False, False)):
@@ -431,21 +455,33 @@ def _compiler(interpret, launch):
     return {"compiler_params": plgpu.CompilerParams(num_warps=launch[0], num_stages=launch[1])}
 
 
-def _call(kernel, inputs, outs, grid, fb, interpret, launch, precision, **static):
-    """pallas_call of kernel(**static) over grid (B, H, G, S); inputs [(array, kind)], outs [(shape, kind)]
-    (float32); the kernel's products at `precision` (PRECISIONS); launch (warps, pipelining stages)."""
+class Plan(NamedTuple):
+    """How a call is cut and run, static (a part of the compiled program): tokens per chunk, features per
+    program (`block`), the map's own feature count (the padded width beyond it holds no feature), interpret
+    mode, the launch (warps, Triton's pipelining stages) and the products' precision (a PRECISIONS name;
+    interpret mode runs "highest")."""
+    chunk: int
+    block: int
+    features: int
+    interpret: bool
+    launch: tuple
+    precision: str
+
+
+def _call(kernel, inputs, outs, grid, plan):
+    """pallas_call of kernel(c=chunk, f=features, precision=the products' precision) over grid (B, H, G, S);
+    inputs [(array, kind)], outs [(shape, kind)] (float32)."""
     b, h = grid[:2]
+    fb = plan.block
     bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
     in_specs = [_spec(k, a.shape, fb, grid[3], bc(a) if k in ("proj", "const") else (False, False))
                 for a, k in inputs]
-    _tracing_precision[0] = HIGHEST if interpret else PRECISIONS[precision]
-    try:                                  # the kernel is traced inside this call, and only there
-        return pl.pallas_call(
-            functools.partial(kernel, **static), out_shape=[jax.ShapeDtypeStruct(s, F32) for s, _ in outs],
-            grid=grid, in_specs=in_specs, out_specs=[_spec(k, s, fb, grid[3]) for s, k in outs],
-            interpret=interpret, **_compiler(interpret, launch))(*[a for a, _ in inputs])
-    finally:
-        _tracing_precision[0] = HIGHEST
+    precision = HIGHEST if plan.interpret else PRECISIONS[plan.precision]
+    body = functools.partial(kernel, c=plan.chunk, f=plan.features, precision=precision)
+    return pl.pallas_call(
+        body, out_shape=[jax.ShapeDtypeStruct(s, F32) for s, _ in outs], grid=grid, in_specs=in_specs,
+        out_specs=[_spec(k, s, fb, grid[3]) for s, k in outs], interpret=plan.interpret,
+        **_compiler(plan.interpret, plan.launch))(*[a for a, _ in inputs])
 
 
 def _total(tau, t, z):
@@ -501,13 +537,14 @@ def _key_inputs(xk, rk, v, val, pk, ck):
     return [(xk, "rows"), (rk, "rows"), (v, "rows"), (val, "valid"), (pk, "proj"), (ck, "const")]
 
 
-def _forward(ops, causal, c, fb, segs, interpret, launch, precision):
-    """(out [B, H, Lq, Dv], log-denominator [B, H, Lq], what the backward pass reads, largest a_j [B, H])."""
+def _forward(ops, causal, segs, plan):
+    """(out [B, H, Lq, Dv], log-denominator [B, H, Lq], what the backward pass reads, a_j [B, H, Lk]: each
+    key's excess over its chunk's reference (causal; LOW for padding and bidirectional calls))."""
     xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
     b, h, lq, _ = xq.shape
     lk, dv, f = xk.shape[2], v.shape[-1], pq.shape[-1]
-    g = f // fb
-    call = functools.partial(_call, fb=fb, interpret=interpret, launch=launch, precision=precision, c=c)
+    c, g = plan.chunk, f // plan.block
+    call = functools.partial(_call, plan=plan)
     sq, sk = segs
     if sk > 1 or not causal:
         states = call(_key_state_kernel, _key_inputs(xk, rk, v, val, pk, ck), _state_outs(b, h, sk, f, dv),
@@ -517,42 +554,42 @@ def _forward(ops, causal, c, fb, segs, interpret, launch, precision):
         if sk > 1:
             tin, sin, zin = _prefix(*states)
         else:
-            tin, sin, zin = jnp.full((b, h, 1, f), LOW, F32), jnp.zeros((b, h, 1, f, dv), F32), jnp.zeros((b, h, 1, f), F32)
+            tin, sin, zin = (jnp.full((b, h, 1, f), LOW, F32), jnp.zeros((b, h, 1, f, dv), F32),
+                             jnp.zeros((b, h, 1, f), F32))
         n = lk // c
         inputs = [(xq, "rows"), (rq, "rows"), *_key_inputs(xk, rk, v, val, pk, ck)[:4], (pq, "proj"),
                   (cq, "const"), (pk, "proj"), (ck, "const"), (tin, "seg_feat"), (sin, "seg_cols"), (zin, "seg_feat")]
-        outs = rows + [((b, h, n, f), "chunk_feat"), ((b, h, g, sk * c), "block")]
-        o, lden, taus, amax = call(_causal_fwd_kernel, inputs, outs, (b, h, g, sk))
+        outs = rows + [((b, h, n, f), "chunk_feat"), ((b, h, g, lk), "block")]
+        o, lden, taus, excess = call(_causal_fwd_kernel, inputs, outs, (b, h, g, sk))
         out, lden = combine_blocks(o, lden)
-        return out, lden, (taus, sin, zin), jnp.max(amax, axis=(2, 3))
+        return out, lden, (taus, sin, zin), jnp.max(excess, axis=2)
     tau, t, z = _total(*states)
     inputs = [(xq, "rows"), (rq, "rows"), (pq, "proj"), (cq, "const"), (tau, "feat"), (t, "feat_cols"), (z, "feat")]
     out, lden = combine_blocks(*call(_bidir_fwd_kernel, inputs, rows, (b, h, g, sq)))
-    return out, lden, (tau, t, z), jnp.full((b, h), LOW, F32)
+    return out, lden, (tau, t, z), jnp.full((b, h, lk), LOW, F32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15, 16))
-def _core(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, launch, precision):
-    out, _, _, amax = _forward((xq, rq, xk, rk, v, val, pq, cq, pk, ck), causal, c, fb, segs, interpret,
-                               launch, precision)
-    return out, amax
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
+def _core(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, segs, plan):
+    out, _, _, excess = _forward((xq, rq, xk, rk, v, val, pq, cq, pk, ck), causal, segs, plan)
+    return out, excess
 
 
-def _core_fwd(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, c, fb, segs, interpret, launch, precision):
+def _core_fwd(xq, rq, xk, rk, v, val, pq, cq, pk, ck, causal, segs, plan):
     ops = (xq, rq, xk, rk, v, val, pq, cq, pk, ck)
-    out, lden, saved, amax = _forward(ops, causal, c, fb, segs, interpret, launch, precision)
-    return (out, amax), (ops, out, lden, saved)
+    out, lden, saved, excess = _forward(ops, causal, segs, plan)
+    return (out, excess), (ops, out, lden, saved)
 
 
-def _core_bwd(causal, c, fb, segs, interpret, launch, precision, residuals, cotangents):
+def _core_bwd(causal, segs, plan, residuals, cotangents):
     ops, out, lden, saved = residuals
     g = cotangents[0].astype(F32)
     xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
     b, h, lq, dq = xq.shape
     lk, dk, dv, f = xk.shape[2], xk.shape[3], v.shape[-1], pq.shape[-1]
-    nb = f // fb
+    nb = f // plan.block
     sq, sk = segs
-    call = functools.partial(_call, fb=fb, interpret=interpret, launch=launch, precision=precision, c=c)
+    call = functools.partial(_call, plan=plan)
     q_outs = [((b, h, nb, lq, dq), "block"), ((b, h, nb, lq), "block")]
     k_outs = [((b, h, nb, lk, dk), "block"), ((b, h, nb, lk), "block"), ((b, h, nb, lk, dv), "block")]
     if causal:
@@ -605,7 +642,7 @@ def _at(x, k):
     return jnp.sum(jnp.where(_iota(x.shape[0]) == k, x, jnp.zeros_like(x)))
 
 
-def _pick(onehot, x):
+def _pick(dot, onehot, x):
     """onehot [n, c] (rows of one 1 or none) @ x [c, F], exact at every PRECISIONS setting: x as three bf16
     parts, each picked exactly by a product whose operands are rounded to bf16 (or TF32) at most. A
     reference rounded by the product (|l|·2⁻⁹ under "bf16") could exceed every key the row sees, which the
@@ -615,10 +652,10 @@ def _pick(onehot, x):
         part = x.astype(jnp.bfloat16).astype(F32)
         parts.append(part)
         x = x - part
-    return sum(_dot(onehot, part) for part in parts)
+    return sum(dot(onehot, part) for part in parts)
 
 
-def _doc_terms(lq, lk, val, qrun, krun, carry, real):
+def _doc_terms(dot, real, lq, lk, val, qrun, krun, carry):
     """The chunk's factors with documents, given the carry (seen, τ, crun): a_j, β_i, fq, fk, w as in
     `_causal_terms` on each row's own reference, the mask (j ≤ i, one run), which queries read the carry,
     and the keys' references kref [c, F]."""
@@ -630,7 +667,7 @@ def _doc_terms(lq, lk, val, qrun, krun, carry, real):
 
     def refs(runs):
         first = jnp.min(jnp.where((runs[:, None] == krun[None, :]) & val[None, :], idx[None, :], c), axis=1)
-        own = _pick(jnp.where(idx[None, :] == first[:, None], 1.0, 0.0), lk0)     # zeros: no key of the run here
+        own = _pick(dot, jnp.where(idx[None, :] == first[:, None], 1.0, 0.0), lk0)     # zeros: no key of the run here
         return jnp.where((carried & (runs == crun))[:, None], tau[None, :], own)
 
     kref, qref = refs(krun), refs(qrun)
@@ -643,7 +680,7 @@ def _doc_terms(lq, lk, val, qrun, krun, carry, real):
     return a, beta, fq, fk, w, mask, carried & (qrun == crun), kref
 
 
-def _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w):
+def _doc_carry(dot, carry, t, z, lk, val, krun, kref, fk, wv, w):
     """The carry after the chunk: the state of its last slot's document, on that document's running maximum
     (the carried state continued if it is the carried document, else restarted from the chunk's keys)."""
     seen, _, crun = carry
@@ -655,7 +692,7 @@ def _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w):
     new = jnp.maximum(ref, jnp.max(jnp.where(mine[:, None], lk, LOW), axis=0))
     keep = jnp.exp(ref - new)
     mk = jnp.where(mine[:, None], fk, 0.0)
-    t = (jnp.where(cont, t, 0.0) + _dot(mk, wv, ta=True)) * keep[:, None]
+    t = (jnp.where(cont, t, 0.0) + dot(mk, wv, ta=True)) * keep[:, None]
     z = (jnp.where(cont, z, 0.0) + jnp.sum(mk * w[:, None], axis=0)) * keep
     seen = jnp.maximum(jnp.where(cont, seen, 0.0), jnp.max(jnp.where(mine, 1.0, 0.0)))
     return (seen, jnp.where(seen > 0, new, LOW), last), t, z
@@ -668,56 +705,56 @@ def _entering(tin_ref, rin_ref):
     return jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, _at(rin_ref[...], 0)
 
 
-def _doc_chunk_inputs(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, rows, pq, cq, pk, ck):
+def _doc_chunk_inputs(dot, real, xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, rows, pq, cq,
+                      pk, ck):
     val = val_ref[rows] > 0
-    lq = _log_features(_load(xq_ref, rows), _load(rq_ref, rows), pq, cq)
-    lk = jnp.where(val[:, None], _log_features(_load(xk_ref, rows), _load(rk_ref, rows), pk, ck), LOW)
+    lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
+    lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
     return val, lq, lk, _load(v_ref, rows), qrun_ref[rows], krun_ref[rows]
 
 
 def _doc_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
-                    ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, lden_ref, tau_ref, amax_ref, *, c):
+                    ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, lden_ref, tau_ref, a_ref, *, c, f, precision):
     """`_causal_fwd_kernel` with documents; tau_ref [N, F] keeps the τ entering each chunk (LOW: the carried
     document has no valid key yet), which with the runs gives the backward pass every reference."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    real = ck > 0.5 * PAD_FEATURE
+    dot, real = _tools(pk.shape[1], f, precision)
     ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref)
 
     def body(i, state):
-        carry, t, z, amax = state
+        carry, t, z = state
         rows = _rows(i, c)
-        val, lq, lk, v, qrun, krun = _doc_chunk_inputs(*ins, rows, pq, cq, pk, ck)
-        a, beta, fq, fk, w, mask, reads, kref = _doc_terms(lq, lk, val, qrun, krun, carry, real)
+        val, lq, lk, v, qrun, krun = _doc_chunk_inputs(dot, real, *ins, rows, pq, cq, pk, ck)
+        a, beta, fq, fk, w, mask, reads, kref = _doc_terms(dot, real, lq, lk, val, qrun, krun, carry)
         alpha = jnp.max(jnp.where(mask, a[None, :], LOW), axis=1)
         alpha = jnp.where(reads, jnp.maximum(alpha, 0.0), alpha)
         has = alpha > 0.5 * LOW
         scale = jnp.exp(-jnp.where(has, alpha, 0.0))
         wv = v * w[:, None]
-        s = jnp.where(mask, _dot(fq, fk, tb=True), 0.0)
+        s = jnp.where(mask, dot(fq, fk, tb=True), 0.0)
         fc = jnp.where(reads[:, None], fq, 0.0)
-        num = (_dot(fc, t) + _dot(s, wv)) * scale[:, None]
+        num = (dot(fc, t) + dot(s, wv)) * scale[:, None]
         den = (jnp.sum(fc * z[None, :], axis=1) + jnp.sum(s * w[None, :], axis=1)) * scale
         o_ref[rows, :] = (num / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
         lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + beta, LOW)
         tau_ref[i, :] = carry[1]
-        carry, t, z = _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w)
-        return carry, t, z, jnp.maximum(amax, a)
+        a_ref[rows] = a
+        return _doc_carry(dot, carry, t, z, lk, val, krun, kref, fk, wv, w)
 
-    init = (_entering(tin_ref, rin_ref), sin_ref[...], zin_ref[...], jnp.full((c,), LOW, F32))
-    *_, amax = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
-    amax_ref[...] = amax
+    init = (_entering(tin_ref, rin_ref), sin_ref[...], zin_ref[...])
+    jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
 
 
-def _doc_chunk(ins, pq, cq, pk, ck, i, c, crun):
+def _doc_chunk(dot, real, ins, pq, cq, pk, ck, i, c, crun):
     """What both backward sweeps read of chunk i with documents: the forward pass's factors (its entering
     carry from tau_ref and `crun`), r_i = exp(β_i − log den_i), g and δ_i = g_i·o_i − ∂/∂log den_i (the
     bidirectional call combines two passes by their log-denominators, which therefore get cotangents)."""
     xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref = ins
     rows = _rows(i, c)
-    val, lq, lk, v, qrun, krun = _doc_chunk_inputs(*ins[:8], rows, pq, cq, pk, ck)
+    val, lq, lk, v, qrun, krun = _doc_chunk_inputs(dot, real, *ins[:8], rows, pq, cq, pk, ck)
     tau = tau_ref[i, :]
     carry = (jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, crun)
-    a, beta, fq, fk, w, mask, reads, kref = _doc_terms(lq, lk, val, qrun, krun, carry, ck > 0.5 * PAD_FEATURE)
+    a, beta, fq, fk, w, mask, reads, kref = _doc_terms(dot, real, lq, lk, val, qrun, krun, carry)
     lden = _load(lden_ref, rows)
     r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
     g = _load(g_ref, rows)
@@ -727,22 +764,23 @@ def _doc_chunk(ins, pq, cq, pk, ck, i, c, crun):
 
 def _doc_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
                    ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxq_ref,
-                   drq_ref, *, c):
+                   drq_ref, *, c, f, precision):
     """∂l_q in sequence order, the carried state rebuilt as the forward pass built it."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    dot, real = _tools(pk.shape[1], f, precision)
     ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
 
     def body(i, state):
         crun, t, z = state
         rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta = _doc_chunk(
-            ins, pq, cq, pk, ck, i, c, crun)
+            dot, real, ins, pq, cq, pk, ck, i, c, crun)
         wv = v * w[:, None]
-        m = jnp.where(mask, _dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
-        held = jnp.where(reads[:, None], _dot(g, t, tb=True) - delta[:, None] * z[None, :], 0.0)
-        dlq = fq * r[:, None] * (held + _dot(m, fk))
-        dxq_ref[rows, :] = _dot(dlq, pq, tb=True)
+        m = jnp.where(mask, dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
+        held = jnp.where(reads[:, None], dot(g, t, tb=True) - delta[:, None] * z[None, :], 0.0)
+        dlq = fq * r[:, None] * (held + dot(m, fk))
+        dxq_ref[rows, :] = dot(dlq, pq, tb=True)
         drq_ref[rows] = jnp.sum(dlq, axis=1)
-        (_, _, crun), t, z = _doc_carry(carry, t, z, lk, val, krun, kref, fk, wv, w)
+        (_, _, crun), t, z = _doc_carry(dot, carry, t, z, lk, val, krun, kref, fk, wv, w)
         return crun, t, z
 
     init = (_entering(tin_ref, rin_ref)[2], sin_ref[...], zin_ref[...])
@@ -751,13 +789,14 @@ def _doc_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, kru
 
 def _doc_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
                    ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxk_ref,
-                   drk_ref, dv_ref, ug_ref, ud_ref, *, c):
+                   drk_ref, dv_ref, ug_ref, ud_ref, *, c, f, precision):
     """∂l_k and ∂v in reverse. Entering chunk i, U = Σ exp(l_q(i') + ρ − log den_i')[g_i', −δ_i'] over the
     queries of later chunks in the document of chunk i's last slot, on ρ = the τ entering chunk i + 1 (that
     document's maximum through chunk i, which bounds its keys here); only that document's keys read it.
     What is left after chunk 0 is U of the entering carry's document on its τ: the carry's (T, z)
     cotangent (ug_ref, ud_ref)."""
     pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
+    dot, real = _tools(pk.shape[1], f, precision)
     ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
     n = _chunks(val_ref, c)
 
@@ -767,23 +806,23 @@ def _doc_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, kru
         # the run of the previous chunk's last slot: the document carried into this chunk
         crun = jnp.where(i > 0, _at(krun_ref[_rows(jnp.maximum(i - 1, 0), c)], c - 1), rin)
         rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta = _doc_chunk(
-            ins, pq, cq, pk, ck, i, c, crun)
+            dot, real, ins, pq, cq, pk, ck, i, c, crun)
         rho = jnp.where(i + 1 < n, tau_ref[jnp.minimum(i + 1, n - 1), :], 0.0)
         last = _at(krun, c - 1)
         later = (krun == last) & val
-        ek = jnp.where(later[:, None], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
+        ek = jnp.where(later[:, None] & real[None, :], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
         fr = fq * r[:, None]
-        b = jnp.where(mask, _dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
-        s = jnp.where(mask, _dot(fq, fk, tb=True), 0.0)
-        dlk = ek * (_dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * _dot(b, fr, ta=True)
-        dv_ref[rows, :] = (_dot(ek, ug) + w[:, None] * _dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
-        dxk_ref[rows, :] = _dot(dlk, pk, tb=True)
+        b = jnp.where(mask, dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
+        s = jnp.where(mask, dot(fq, fk, tb=True), 0.0)
+        dlk = ek * (dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * dot(b, fr, ta=True)
+        dv_ref[rows, :] = (dot(ek, ug) + w[:, None] * dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
+        dxk_ref[rows, :] = dot(dlk, pk, tb=True)
         drk_ref[rows] = jnp.sum(dlk, axis=1)
         # for chunk i − 1's keys: the queries here of the document carried into this chunk (on its entering τ),
         # and the later ones if that document spans this whole chunk
         keep = jnp.where(crun == last, jnp.exp(jnp.minimum(carry[1] - rho, 0.0)), 0.0)
         fc = jnp.where(reads[:, None], fr, 0.0)
-        return (ug * keep[:, None] + _dot(fc, g, ta=True), ud * keep - jnp.sum(fc * delta[:, None], axis=0))
+        return (ug * keep[:, None] + dot(fc, g, ta=True), ud * keep - jnp.sum(fc * delta[:, None], axis=0))
 
     rin = _entering(tin_ref, rin_ref)[2]
     ug, ud = jax.lax.fori_loop(0, n, body, (jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32)))
@@ -798,46 +837,42 @@ def _doc_inputs(ops):
             (sin, "feat_cols"), (zin, "feat"), (rin, "row_one")]
 
 
-def _doc_forward(ops, c, fb, interpret, launch, precision):
+def _doc_forward(ops, plan):
     b, h, l, _ = ops[0].shape
     dv, f = ops[4].shape[-1], ops[8].shape[-1]
-    g = f // fb
-    outs = [((b, h, g, l, dv), "block"), ((b, h, g, l), "block"), ((b, h, l // c, f), "chunk_feat"),
-            ((b, h, g, c), "block")]
-    o, lden, taus, amax = _call(_doc_fwd_kernel, _doc_inputs(ops), outs, (b, h, g, 1), fb, interpret, launch,
-                                precision, c=c)
+    g = f // plan.block
+    outs = [((b, h, g, l, dv), "block"), ((b, h, g, l), "block"), ((b, h, l // plan.chunk, f), "chunk_feat"),
+            ((b, h, g, l), "block")]
+    o, lden, taus, excess = _call(_doc_fwd_kernel, _doc_inputs(ops), outs, (b, h, g, 1), plan)
     out, lden = combine_blocks(o, lden)
-    return out, lden, taus, jnp.max(amax, axis=(2, 3))
+    return out, lden, taus, jnp.max(excess, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(16, 17, 18, 19, 20))
-def _doc_core(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin, c, fb, interpret, launch,
-              precision):
-    """(out, log-denominator, largest a_j) of a causal call with documents (one segment), entering with
+@functools.partial(jax.custom_vjp, nondiff_argnums=(16,))
+def _doc_core(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin, plan):
+    """(out, log-denominator, a_j [B, H, L]) of a causal call with documents (one segment), entering with
     the carry (tin [B, H, F] its τ, LOW where none; sin [B, H, F, Dv], zin [B, H, F] its sums on τ; rin [B, 1]
     its document's run) of keys before the sequence; differentiable in the carry's sums."""
     ops = (xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin)
-    out, lden, _, amax = _doc_forward(ops, c, fb, interpret, launch, precision)
-    return out, lden, amax
+    out, lden, _, excess = _doc_forward(ops, plan)
+    return out, lden, excess
 
 
-def _doc_core_fwd(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin, c, fb, interpret, launch,
-                  precision):
+def _doc_core_fwd(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin, plan):
     ops = (xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin)
-    out, lden, taus, amax = _doc_forward(ops, c, fb, interpret, launch, precision)
-    return (out, lden, amax), (ops, out, lden, taus)
+    out, lden, taus, excess = _doc_forward(ops, plan)
+    return (out, lden, excess), (ops, out, lden, taus)
 
 
-def _doc_core_bwd(c, fb, interpret, launch, precision, residuals, cotangents):
+def _doc_core_bwd(plan, residuals, cotangents):
     ops, out, lden, taus = residuals
     g, gl = cotangents[0].astype(F32), cotangents[1].astype(F32)
     xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin = ops
     b, h, l, dq = xq.shape
     dk, dv, f = xk.shape[3], v.shape[-1], pq.shape[-1]
-    nb = f // fb
+    nb = f // plan.block
     inputs = _doc_inputs(ops) + [(out, "rows"), (g, "rows"), (gl, "rows"), (lden, "rows"), (taus, "chunk_feat")]
-    call = functools.partial(_call, inputs=inputs, grid=(b, h, nb, 1), fb=fb, interpret=interpret, launch=launch,
-                             precision=precision, c=c)
+    call = functools.partial(_call, inputs=inputs, grid=(b, h, nb, 1), plan=plan)
     dxq, drq = call(_doc_dq_kernel, outs=[((b, h, nb, l, dq), "block"), ((b, h, nb, l), "block")])
     dxk, drk, dvv, dsin, dzin = call(_doc_dk_kernel, outs=[
         ((b, h, nb, l, dk), "block"), ((b, h, nb, l), "block"), ((b, h, nb, l, dv), "block"),
@@ -882,11 +917,12 @@ def feature_params(a, nd):
 
 def _padded_map(x, r, p, c, lp, fp):
     """One side's log-linear map padded for the kernel: rows to lp (zeros), D to a power of two (zero
-    inputs and projection rows: exact), features to fp (PAD_FEATURE), parameters with (batch, head) dims."""
+    inputs and projection rows: exact), features to fp (zeros: the kernels mask the features past the
+    map's own by their count, `Plan.features`), parameters with (batch, head) dims."""
     dp = _pow2(x.shape[-1])
     return (_pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp), _pad_to(r.astype(F32), 2, lp),
             _pad_to(_pad_to(feature_params(p.astype(F32), 2), 2, dp), 3, fp),
-            _pad_to(feature_params(c.astype(F32), 1), 2, fp, PAD_FEATURE))
+            _pad_to(feature_params(c.astype(F32), 1), 2, fp))
 
 
 def _padded_values(v, valid, lp):
@@ -894,12 +930,6 @@ def _padded_values(v, valid, lp):
     b, lk = v.shape[0], v.shape[2]
     valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
     return _pad_to(_pad_to(v, 3, _pow2(v.shape[-1])), 2, lp), _pad_to(valid, 1, lp)
-
-
-# Features padded to the kernel's width (Triton's blocks) get this constant: far below every real
-# log-feature, so a padded feature never sets a query's maximum and its query factor is 0; the causal key
-# scalar a_j skips features whose constant is below half of it (no real map's constant comes near)
-PAD_FEATURE = -1e4
 
 
 def _precision(precision):
@@ -914,12 +944,14 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     """Linear attention over log φ_q = xq·pq + cq + rq and log φ_k = xk·pk + ck + rk with the fused
     kernels: xq [B, H, Lq, D], rq [B, H, Lq], xk, rk likewise over Lk, pq/pk [.., D, F] and cq/ck [.., F]
     with leading (batch, head) dims broadcast from the right, v [B, H, Lk, Dv], valid [B, Lk] or None.
-    Returns (out [B, H, Lq, Dv] float32, exceeded [B, H] bool): where `exceeded`, a causal key exceeded
-    its chunk's reference by more than EXCEEDANCE and the caller must use an exact path. Causal needs
-    Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU.
-    `precision`: of the kernel's products (PRECISIONS; None: the module's PRECISION). `segments`: the
-    most segments a sequence is split into (None: enough for SEGMENT_PROGRAMS programs). `cut`: (chunk,
-    feature block, warps, stages) instead of the mode's and precision's TUNING entry (`bench tune`).
+    Returns (out [B, H, Lq, Dv] float32, exceeded [B, H, Lq] bool): the rows at or after a causal key that
+    exceeded its chunk's reference by more than EXCEEDANCE (in the row's own batch and head; with `runs`,
+    its own document), whose output the caller takes from an exact path; every other row's output is
+    exact and depends on no such key. Causal needs Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in
+    the parameters). `interpret` None: on CPU. `precision`: of the kernel's products (PRECISIONS; None:
+    the module's PRECISION). `segments`: the most segments a sequence is split into (None: enough for
+    SEGMENT_PROGRAMS programs; the sequence is padded to whole segments). `cut`: (chunk, feature block,
+    warps, stages) instead of the mode's and precision's TUNING entry (`bench tune`).
     `runs` [B, L] int32 (favor.attention.documents.runs; Lq = Lk): packed documents, each query seeing
     only the keys of its own run (the document kernels: one segment, `segments` unused)."""
     precision = _precision(precision)
@@ -935,20 +967,18 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     f = pq.shape[-1]
     fp = _feature_width(f, block)
     c = min(_pow2(chunk), _pow2(max(lq, lk)))
-    lqp, lkp = -(-lq // c) * c, -(-lk // c) * c
-    if causal:
-        lqp = lkp = max(lqp, lkp)
+    plan = Plan(c, min(block, fp), f, bool(interpret), tuple(launch), precision)
+    programs = b * h * (fp // plan.block)
+    sk, lkp = _segments(lk, c, programs, segments)
+    sq, lqp = (sk, lkp) if causal else _segments(lq, c, programs, segments)
     xq, rq, pq, cq = _padded_map(xq, rq, pq, cq, lqp, fp)
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lkp, fp)
     v, valid = _padded_values(v, valid, lkp)
     # parameters are constants of the kernel call (their cotangents are not computed)
     ops = (xq, rq, xk, rk, v, valid, *(jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck)))
-    fb = min(block, fp)
-    programs = b * h * (fp // fb)
-    sk = _segments(lkp // c, programs, segments)
-    segs = (sk, sk) if causal else (_segments(lqp // c, programs, segments), sk)
-    out, amax = _core(*ops, causal, c, fb, segs, bool(interpret), tuple(launch), precision)
-    return out[:, :, :lq, :dv], amax > EXCEEDANCE
+    out, excess = _core(*ops, causal, (sq, sk), plan)
+    exceeded = linear.cumulative(excess, jnp.maximum, LOW) > EXCEEDANCE
+    return out[:, :, :lq, :dv], exceeded[:, :, :lq]
 
 
 def _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, interpret, precision, cut):
@@ -974,7 +1004,7 @@ def _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, interpret
     out2, lden2, exceeded2 = one(flip(xq), flip(rq), xk=shift(flip(xk)), rk=shift(flip(rk)), v=shift(flip(v)),
                                  valid=shift(flip(valid, 1), 1), qrun=back, krun=documents.shifted_runs(back, 1))
     out, _ = combine_blocks(jnp.stack([out, flip(out2)], 2), jnp.stack([lden, flip(lden2)], 2))
-    return out, exceeded | exceeded2
+    return out, exceeded | flip(exceeded2)
 
 
 def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=None, interpret=None, precision=None,
@@ -983,8 +1013,9 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
     in `attend`, Lq = Lk; qrun, krun [B, L] int32 runs, non-decreasing), entering with `carry`, the
     state of keys before the sequence as favor.attention.documents.summary gives it — (seen [B, H],
     τ [B, H, F], T [B, H, F, Dv + 1] on τ, run [B]) — or None. Returns (out [B, H, L, Dv] float32,
-    log-denominator [B, H, L] (LOW: no key), exceeded [B, H] as `attend`'s). Differentiable in xq, rq, xk,
-    rk, v and the carry's T (its τ is a stabiliser)."""
+    log-denominator [B, H, L] (LOW: no key), exceeded [B, H, L] as `attend`'s: the rows at or after a key of
+    their document beyond the bound). Differentiable in xq, rq, xk, rk, v and the carry's T (its τ is a
+    stabiliser)."""
     precision = _precision(precision)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -994,6 +1025,7 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
     fp = _feature_width(f, block)
     c = min(_pow2(chunk), _pow2(l))
     lp = -(-l // c) * c
+    plan = Plan(c, min(block, fp), f, bool(interpret), tuple(launch), precision)
     xq, rq, pq, cq = _padded_map(xq, rq, pq, cq, lp, fp)
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lp, fp)
     v, valid = _padded_values(v, valid, lp)
@@ -1009,9 +1041,11 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
         zin = _pad_to(total[..., dv].astype(F32), 2, fp)
         rin = jnp.asarray(run, jnp.int32)[:, None]
     params = (jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck))
-    out, lden, amax = _doc_core(xq, rq, xk, rk, v, valid, qrun, krun, *params, tin, sin, zin, rin, c, min(block, fp),
-                                bool(interpret), tuple(launch), precision)
-    return out[:, :, :l, :dv], lden[:, :, :l], amax > EXCEEDANCE
+    out, lden, excess = _doc_core(xq, rq, xk, rk, v, valid, qrun, krun, *params, tin, sin, zin, rin, plan)
+    # a key's excess reaches the later rows of its own document (the key runs lag the query runs by a shift)
+    reach = linear.segmented(excess, krun[:, None], jnp.maximum, LOW)
+    exceeded = jnp.where((qrun == krun)[:, None], reach, LOW) > EXCEEDANCE
+    return out[:, :, :l, :dv], lden[:, :, :l], exceeded[:, :, :l]
 
 
 def _pad_front(a, axis):
@@ -1034,14 +1068,13 @@ def prefill(xk, rk, pk, ck, v, valid=None, interpret=None, segments=None, precis
         interpret = jax.default_backend() == "cpu"
     fp = _feature_width(f, block)
     c = min(_pow2(chunk), _pow2(lk))
-    lkp = -(-lk // c) * c
+    plan = Plan(c, min(block, fp), f, bool(interpret), tuple(launch), precision)
+    seg, lkp = _segments(lk, c, b * h * (fp // plan.block), segments)
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lkp, fp)
     v, valid = _padded_values(v, valid, lkp)
     ops = tuple(jax.lax.stop_gradient(a) for a in (xk, rk, v, valid, pk, ck))
-    fb = min(block, fp)
-    seg = _segments(lkp // c, b * h * (fp // fb), segments)
     states = _call(_key_state_kernel, _key_inputs(*ops), _state_outs(b, h, seg, fp, v.shape[-1]),
-                   (b, h, fp // fb, seg), fb, bool(interpret), tuple(launch), precision, c=c)
+                   (b, h, fp // plan.block, seg), plan)
     tau, t, z = _total(*states)
     tau, t, z = tau[..., :f], t[..., :f, :dv], z[..., :f]
     return jnp.where(tau > 0.5 * LOW, tau, -jnp.inf), jnp.concatenate([t, z[..., None]], -1)

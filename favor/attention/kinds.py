@@ -86,6 +86,15 @@ class Attention:
     def __init__(self, **options):
         self.options = options
 
+    @classmethod
+    def option_note(cls, key):
+        """Why this kind has no option `key` that other kinds take (None: nothing to add)."""
+        if key == "impl":
+            return (f"impl chooses between XLA and a fused kernel, which exists for softmax (cuDNN) and the "
+                    f"positive exponential kinds ({', '.join(fused_kinds())}); {cls.name} runs on XLA, with "
+                    "no impl option")
+        return None
+
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r}, {self.options})"
 
@@ -788,7 +797,13 @@ class RandomFeatureAttention(FeatureAttention):
             if least is None or k.shape[1] < least or self.fused_unavailable():
                 return False
         self._check_backend()
-        return not (causal and q.shape[1] != k.shape[1])
+        if causal and q.shape[1] != k.shape[1]:
+            if self.impl == "auto":
+                return False
+            raise ValueError(f"{self.name}: impl={self.impl!r} runs causal calls with as many queries as keys "
+                             f"(got Lq = {q.shape[1]}, Lk = {k.shape[1]}: queries after a prefix); impl='auto' "
+                             "or 'xla' runs this call on XLA")
+        return True
 
     def _check_backend(self):
         if jax.default_backend() not in fused.BACKENDS:
@@ -810,8 +825,9 @@ class RandomFeatureAttention(FeatureAttention):
         out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal,
                                      precision=self.kernel_precision, runs=runs)
         if causal or runs is not None:
-            # a key beyond its chunk's reference by more than the chunk form allows (documents: both
-            # modes are causal passes): favor's XLA pass
+            # the rows past a key beyond its chunk's reference by more than the chunk form allows (in their
+            # own batch and head, and document; documents: both modes are causal passes) take favor's XLA
+            # pass, which runs only when some row needs it; every other row keeps the kernel's output
             args = (self.query_map, self.key_map, ctx, x, y, vv, mask)
             if runs is None:
                 exact = lambda: causal_lib.causal_maps(*args, True, self.chunk_size, "auto", self.causal_span)
@@ -820,7 +836,8 @@ class RandomFeatureAttention(FeatureAttention):
             else:
                 exact = lambda: documents.bidirectional(*args, runs, True, self.chunk_size or causal_lib.CAUSAL_CHUNK,
                                                         "auto", self.causal_span)
-            out = jax.lax.cond(jnp.any(exceeded), lambda: exact().astype(linear.F32), lambda: out)
+            taken = lambda: jnp.where(exceeded[..., None], exact().astype(linear.F32), out)
+            out = jax.lax.cond(jnp.any(exceeded), taken, lambda: out)
         return _to_bhld(out).astype(v.dtype)
 
     def __call__(self, q, k, v, mask=None, causal=False, rng=None, step=None, draw=None, query_mask=None,

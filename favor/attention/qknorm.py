@@ -39,10 +39,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from favor import configbase
+from favor.config import blocks
 
 NORMS = ("", "l2", "layernorm")
-OPTIONS = configbase.QK_NORM_OPTIONS
+OPTIONS = blocks.QK_NORM_OPTIONS
 EPS = 1e-6
 
 

@@ -71,7 +71,7 @@ def parse_specs(name: str, text) -> list[tuple[str, str, dict]]:
 
 
 def block_options(block) -> dict:
-    """A config's attention block (configlib.attention) as `get` keywords: only the options the chosen
+    """A config's attention block (loading.attention) as `get` keywords: only the options the chosen
     kind takes, plus the layer's qk_norm, and no empty `coupling`, `redraw` or spec option (the kind's own).
     `ignored_block_options` names what was left out."""
     options = {k: v for k, v in dict(block).items() if not (k in OWN_DEFAULT and not v)}
@@ -103,7 +103,7 @@ def read_block(block, *, from_config: bool) -> tuple[str, dict, dict]:
     """The one reading of an attention block -> (kind, the kind's options, the layer's query/key
     normalisation), checked by building the kind once (nothing is drawn).
 
-    from_config: a config's `model.attention` block (configlib.attention), which carries every kind's
+    from_config: a config's `model.attention` block (loading.attention), which carries every kind's
     options: those the kind does not take are dropped (`block_options`; `ignored_block_options` names
     them) unless set to ask for what the kind cannot give (`_check_requests`: an error), and its redraw
     schedule is checked. Otherwise a model's own `attention=` (a kind name or a dict), where an option

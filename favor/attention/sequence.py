@@ -251,7 +251,8 @@ def _band(bx, by, v1, valid, runs, window, causal, n, log_mix):
 
 
 def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision):
-    """(out [B, H, Lc, Dv], exceeded: a scalar, the same on every device) of the fused kernel's document
+    """(out [B, H, Lc, Dv], exceeded [B, H, Lc]: the rows to take from the exact path, as fused.attend's) of
+    the fused kernel's document
     passes (favor.attention.fused.document_pass) over one device's tokens, each entering with the carry
     of the other devices' keys: their log-features (forms(ctx, x, y): the kind's log-linear forms) reduced
     per device to its last document's state, all-gathered and folded as the XLA pass does; bidirectional
@@ -281,9 +282,8 @@ def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision):
         back, lden_back, exceeded_back = run(flip(xq), flip(rq), *keys, jnp.flip(move(valid, 1, False), axis=1),
                                              documents.reversed_runs(runs), krun, False)
         out, _ = fused_lib.combine_blocks(jnp.stack([out, flip(back)], 2), jnp.stack([lden, flip(lden_back)], 2))
-        exceeded = exceeded | exceeded_back
-    # one decision for every device: the fallback's collectives need all of them in the same branch
-    return out, jax.lax.pmax(jnp.any(exceeded).astype(jnp.int32), AXIS) > 0
+        exceeded = exceeded | flip(exceeded_back)
+    return out, exceeded
 
 
 def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n,
@@ -293,12 +293,14 @@ def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal
     kind (not `positive`; x and y arrays, the kernel's inputs) gets its floor over the whole sequence.
     `window` > 0: the exact band (`band`: its inputs (x, y), `log_mix`: the learned mix) and the estimate
     beyond it, as favor.attention.window. `fused` {"forms", "precision"}: the fused kernel (`_fused_shard`),
-    this XLA pass where a key exceeds the kernel's chunk form on any device."""
+    with this XLA pass's output in the rows past a key that exceeds the kernel's chunk form."""
     if fused is not None:
         out, exceeded = _fused_shard(fused["forms"], ctx, x, y, v, valid, runs, causal, n, fused["precision"])
-        xla = lambda: linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path,
-                                   span, n).astype(F32)
-        return jax.lax.cond(exceeded, xla, lambda: out)
+        xla = lambda: jnp.where(exceeded[..., None], linear_shard(
+            query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n).astype(F32),
+            out)
+        # one decision for every device: the XLA pass's collectives need all of them in the same branch
+        return jax.lax.cond(jax.lax.pmax(jnp.any(exceeded).astype(jnp.int32), AXIS) > 0, xla, lambda: out)
     me = jax.lax.axis_index(AXIS)
     v1 = ones_column(v)
     est = lambda gap, after: _estimate(query_map, key_map, ctx, x, y, v1, valid, runs, gap, n, after, chunk_size,

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from favor import extras
-from favor.configcheck import UsageError
+from favor.config.checks import UsageError
 from favor.bench import (accel, attention, context, generate, headline, lora, parts, peers, ratios, steps, train,
                          tune, uptrain)
 

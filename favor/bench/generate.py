@@ -36,7 +36,7 @@ def add_parser(sub):
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths, comma-separated")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated after each prompt")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--preset", default="mini", help="decoder preset (favor.presets)")
+    p.add_argument("--preset", default="mini", help="decoder preset (favor.config.presets)")
     p.add_argument("--num_features", type=int, default=256)
     p.add_argument("--out", default=".", help="where BENCHMARKS.md and bench/ are")
     return p

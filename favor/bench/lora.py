@@ -15,7 +15,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from favor import configlib, models
+from favor import models
+from favor.config import loading
 from favor.bench import sections
 from favor.bench.common import ints
 from favor.models import lora
@@ -28,7 +29,7 @@ PRESETS = ("mini", "small", "gpt2")
 
 def add_parser(sub):
     p = sub.add_parser("lora", help="optimizer memory of LoRA uptraining against full fine-tuning")
-    p.add_argument("--presets", default=",".join(PRESETS), help="decoder presets (favor.presets)")
+    p.add_argument("--presets", default=",".join(PRESETS), help="decoder presets (favor.config.presets)")
     p.add_argument("--ranks", default="8,16", help="LoRA ranks, comma-separated")
     p.add_argument("--kind", default="favor#", help="the attention kind of the uptrained model")
     p.add_argument("--out", default=".", help="where BENCHMARKS.md and bench/ are written")
@@ -40,7 +41,7 @@ def _bytes(tree) -> int:
 
 def measure(preset, ranks, kind):
     """{params, full: optimizer bytes, lora: {rank: (trainable params, optimizer bytes)}} of one preset."""
-    o = ml_collections.ConfigDict(configlib.optim(lr=6e-4, schedule="cosine", warmup_steps=10, weight_decay=0.1))
+    o = ml_collections.ConfigDict(loading.optim(lr=6e-4, schedule="cosine", warmup_steps=10, weight_decay=0.1))
     tx, _ = optim.make(o, 100)
     attention = {"kind": kind, "num_features": 256}
     full_model = nnx.eval_shape(lambda: models.get("decoder", preset, attention=attention, rngs=nnx.Rngs(0)))

@@ -21,12 +21,13 @@ def train_steps(config_spec, kinds, rounds, seed=0, flags=()):
     load on a shared machine falls on all alike. Returns {kind: [seconds per round]}."""
     # the training stack (TensorFlow's data pipelines among it) loads when this subcommand runs, so
     # the other subcommands start without it
-    from favor import configlib, sharding, job
+    from favor import sharding, job
+    from favor.config import loading
     programs = {}
     for kind in kinds:
-        config = configlib.load(config_spec)
+        config = loading.load(config_spec)
         for flag in flags:
-            configlib.apply_flag(config, flag)
+            loading.apply_flag(config, flag)
         with config.unlocked():
             config.model.attention.kind = kind
         job.validate(config)

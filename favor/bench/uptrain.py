@@ -36,11 +36,11 @@ KINDS = ("favor+", "favor++", "favor#", "favor#:saderf", "hrf", "simrf", "favor"
 def _config(spec, flags, kind, **overrides):
     """The config `spec` (a configs/*.py[:args]) with command-line style `flags`, the attention kind
     (kind[:variant]) and `overrides` (dotted keys) applied, validated as train.py would."""
-    from favor import configlib          # the training stack loads when this subcommand runs (cli.py)
-    config = configlib.load(spec)
+    from favor.config import loading          # the training stack loads when this subcommand runs (cli.py)
+    config = loading.load(spec)
     for flag in flags:
         try:
-            configlib.apply_flag(config, flag)
+            loading.apply_flag(config, flag)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     name, options = attention.parse_spec(kind)

@@ -90,7 +90,7 @@ def check(block) -> None:
     packing = dict(main).get("packing")
     allowed = getattr(REGISTRY.lookup(dict(main)["name"]), "PACKING", None) if packing is not None else None
     if allowed and packing not in allowed:       # the text sources' `packing`, refused before anything is read
-        from favor.configcheck import ConfigError
+        from favor.config.checks import ConfigError
         raise ConfigError("data.packing", packing, f"must be one of {', '.join(map(repr, allowed))}")
     if extra is not None:
         try:

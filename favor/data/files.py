@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import Path
 
-from favor.configcheck import ConfigError
+from favor.config.checks import ConfigError
 
 PREFIX = "files:"
 SUFFIXES = (".txt", ".jsonl", ".json")

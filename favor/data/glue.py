@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from favor import extras
-from favor.configcheck import ConfigError
+from favor.config.checks import ConfigError
 from favor.data import local, tokenizers
 from favor.data.source import ArraySource, check_data_dir, open_tfds, records, text
 

@@ -4,7 +4,7 @@ config.
     from favor import models
     model = models.get("bert", "base", rngs=nnx.Rngs(0), attention={"kind": "favor#"}, head="mlm")
 
-Sizes live in `favor.presets`; any key of a family's defaults can be overridden.
+Sizes live in `favor.config.presets`; any key of a family's defaults can be overridden.
 """
 
 from __future__ import annotations

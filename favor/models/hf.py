@@ -347,7 +347,7 @@ def _read_config(path: Path):
 
 
 def decoder_config(path) -> dict:
-    """The decoder options (favor.presets keys) a Hugging Face decoder directory's config.json
+    """The decoder options (favor.config.presets keys) a Hugging Face decoder directory's config.json
     implies: what a run must be configured with to start from it (configs/decoder_lm.py's `init=`)."""
     path = Path(path)
     cfg, arch = _read_config(path)

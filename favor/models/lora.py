@@ -17,11 +17,11 @@ import re
 import numpy as np
 from flax import nnx
 
-from favor import configbase
+from favor.config import blocks
 from favor.models.layers import Dense, meta
 
 # the query, key, value and output projections of every attention block, in every model family
-DEFAULT_TARGETS = configbase.LORA_TARGETS
+DEFAULT_TARGETS = blocks.LORA_TARGETS
 # a parameter path that belongs to an adapter
 PARAM = re.compile(r"(^|\.)lora\.lora_[ab]$")
 

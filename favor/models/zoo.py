@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from favor import attention as attention_lib
-from favor import presets
-from favor.configcheck import ConfigError, is_int, is_number, one_of
+from favor.config import presets
+from favor.config.checks import ConfigError, is_int, is_number, one_of
 from favor.models.bert import Bert
 from favor.models.conformer import Conformer
 from favor.models import rope

@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 
-from favor import attention, configlib
+from favor import attention
+from favor.config import loading
 from favor.repro import trained
 from favor.repro.report import Report
 
@@ -105,9 +106,9 @@ def plan(args) -> dict:
             or (args.transfer_steps is not None and args.transfer_steps < 0) or (args.band is not None and args.band < 0):
         raise ValueError("--parallel, --source-steps and --steps must be positive, --transfer-steps and --band ≥ 0")
     kinds = args.kinds or ("hedgehog" if quick else "favor+/favor++/favor#/hedgehog/t2r/elu")
-    configlib.values("--kinds", kinds, [k for k in attention.names() if k != "softmax"])
+    loading.values("--kinds", kinds, [k for k in attention.names() if k != "softmax"])
     recipes = args.recipes or ("lolcats" if quick else "lolcats/full")
-    configlib.values("--recipes", recipes, ("lolcats", "full"))
+    loading.values("--recipes", recipes, ("lolcats", "full"))
     band = args.band if args.band is not None else (4 if quick else 8)
     size = "runlocal," if quick else ""
     steps = dict(source_steps=30, transfer_steps=2, steps=6) if quick else dict(
@@ -118,7 +119,7 @@ def plan(args) -> dict:
     # the quick run leaves out the band alone: the tests' time (its path is the banded kinds' with softmax)
     sweep = (f"{path}:{size}seeds={seeds},kinds={kinds},band={band},recipes={recipes},"
              f"transfer_steps={steps['transfer_steps']},steps={steps['steps']}" + (",alone=False" if quick else ""))
-    from favor import sweeps                  # the sweep's own settings are the ones the report asks for
+    from favor.config import sweeps                  # the sweep's own settings are the ones the report asks for
     asked = sorted({label_of(r.overrides) for r in sweeps.load(sweep)})
     return {"source": source, "sweep": sweep, "seeds": seeds, "asked": asked, **steps}
 

@@ -3,7 +3,7 @@ ListOps column, and the kernel papers' orderings where a task decides by attenti
 
 from __future__ import annotations
 
-from favor import configlib
+from favor.config import loading
 from favor.data import local
 from favor.repro import trained
 from favor.repro.report import Report
@@ -97,7 +97,7 @@ def run(args):
     local.prepare("listops", config=window)          # once, before runs that would each build it at once
     runs = trained.run_sweep(config, trained.sweep_workdir(args), args.parallel)
     settings = trained.by_setting(runs, _label, "accuracy")
-    asked = [LABELS[k] for k in configlib.values("kinds", kinds or "/".join(LABELS), tuple(LABELS))]
+    asked = [LABELS[k] for k in loading.values("kinds", kinds or "/".join(LABELS), tuple(LABELS))]
     asked += ([f"FAVOR++ + softmax band ±{band}"] if band else []) + ([] if quick else [BAG])
     return _report(settings, runs, config, window, seeds, band, asked)
 

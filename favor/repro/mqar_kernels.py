@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from favor import attention, configlib, strings
+from favor import attention, strings
+from favor.config import loading
 from favor.repro import trained
 from favor.repro.report import Report
 
@@ -108,14 +109,14 @@ def run(args):
     settings = trained.by_setting(runs, _label, "accuracy")
     sizes = {}
     for label, entry in settings.items():
-        c = configlib.load(config)
+        c = loading.load(config)
         for key, value in entry["runs"][0].overrides.items():           # the sweep's settings of the run
             if key.startswith("model."):
-                configlib.apply_flag(c, f"{key}={value}")
+                loading.apply_flag(c, f"{key}={value}")
         sizes[label] = state_numbers(c)
-    asked = asked_settings(configlib.values("kinds", kinds, tuple(LABELS)),
-                           sorted(set(width_list)), band_list, configlib.values("others", others, tuple(LABELS)))
-    return _report(settings, sizes, runs, config, seeds, asked, pairs=int(configlib.load(config).data.num_pairs))
+    asked = asked_settings(loading.values("kinds", kinds, tuple(LABELS)),
+                           sorted(set(width_list)), band_list, loading.values("others", others, tuple(LABELS)))
+    return _report(settings, sizes, runs, config, seeds, asked, pairs=int(loading.load(config).data.num_pairs))
 
 
 def asked_settings(kinds, widths, bands, others=()):

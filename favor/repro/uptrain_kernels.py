@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 
-from favor import attention, configlib, strings, sweeps
+from favor import attention, strings
+from favor.config import loading, sweeps
 from favor.data import local
 from favor.repro import trained
 from favor.repro.report import Report
@@ -148,7 +149,7 @@ def plan(args) -> dict:
 
 def _uptrain_flags(config: str, steps: int) -> list[str]:
     """K steps at LR_FACTOR of the config's peak learning rate, warmup at most a tenth of K, five evaluations."""
-    base = configlib.load(config.rstrip(",:"))
+    base = loading.load(config.rstrip(",:"))
     return [f"--config.total_steps={steps}", f"--config.optim.lr={float(base.optim.lr) * LR_FACTOR:g}",
             f"--config.optim.warmup_steps={min(int(base.optim.warmup_steps), max(steps // 10, 1))}",
             f"--config.eval_every={-(-steps // 5)}", f"--config.checkpoint_every={steps}"]

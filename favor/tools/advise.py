@@ -102,14 +102,14 @@ def _with_block(config, setting: Setting):
     """A copy of `config` whose attention block is the setting's (the model's other attention options,
     qk_norm included, kept). A random-feature setting other than the model's own redraws its features
     for each evaluation draw (a run trained with one fixed ω keeps only its own kind's)."""
-    from favor import configbase
+    from favor.config import blocks
     c = config.copy_and_resolve_references()
     block = setting.block()
     with c.unlocked():
         # the model's own band and spec options (FAVOR#'s variant, ...) are its kind's, not the setting's:
         # a spec without them means no band and the setting's kind's own
         c.model.attention["window"] = setting.band
-        for key in configbase.SPEC_OPTIONS:
+        for key in blocks.SPEC_OPTIONS:
             if key in c.model.attention:
                 c.model.attention[key] = block.get(key, "")
         for key, value in block.items():
@@ -128,7 +128,7 @@ def _block_of(config) -> dict:
 def source_config(workdir: str, config_spec: str | None, flags):
     """(config starting from the model `workdir` names, the directory models are rebuilt in, a temporary
     directory to remove or None). A run brings its own config; a Hugging Face directory needs one."""
-    from favor import configlib
+    from favor.config import loading
     from favor.tools import inspect
     if workdir.startswith("hf:"):
         if not Path(workdir[3:]).expanduser().is_dir():
@@ -137,9 +137,9 @@ def source_config(workdir: str, config_spec: str | None, flags):
         if not config_spec:
             raise ValueError(f"--workdir {workdir}: a Hugging Face model needs --config, the task to evaluate "
                              "it on with the checkpoint's sizes (e.g. configs/decoder_lm.py:init=<dir>,data=local)")
-        config = configlib.load(config_spec)
+        config = loading.load(config_spec)
         for flag in flags:
-            configlib.apply_flag(config, flag)
+            loading.apply_flag(config, flag)
         with config.unlocked():
             config.model.init_from = workdir
             if "uptrain" in config:

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from favor import checkpoint, job, sharding, uptrain
+from favor import job, sharding, uptrain
+from favor.train import checkpoint
 from favor.data import tokenizers
 from favor.models.decoder import Decoder
 from favor.models.generation import decoding, sample  # noqa: F401  (sample: the tool's API too)

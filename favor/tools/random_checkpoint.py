@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from favor import presets
+    from favor.config import presets
     parser = argparse.ArgumentParser(prog="python -m favor.tools.random_checkpoint",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", choices=list(presets.PRESETS["decoder"]), help="a decoder preset")

@@ -13,7 +13,7 @@ clipping, a weight-decay mask, and layer-wise learning-rate decay (ViT/BERT fine
     optim.accumulate_steps  microbatches per step (the trainer's scan; the update of the whole batch)
     optim.momentum      sgd only (0.9 when absent)
 
-configs build the block with favor.configbase.optim (the shared defaults); `check` checks every value's
+configs build the block with favor.config.blocks.optim (the shared defaults); `check` checks every value's
 range before a run (favor.job.validate).
 """
 
@@ -24,8 +24,8 @@ import re
 import jax
 import optax
 
-from favor.configbase import OPTIM_DEFAULTS, OPTIM_OPTIONAL
-from favor.configcheck import ConfigError, integer, number, one_of
+from favor.config.blocks import OPTIM_DEFAULTS, OPTIM_OPTIONAL
+from favor.config.checks import ConfigError, integer, number, one_of
 
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "sgd")

@@ -29,8 +29,8 @@ from flax import nnx
 
 from favor import attention as attention_lib
 from favor import models
-from favor.checkpoint import dotted, fingerprint
-from favor.configcheck import ConfigError
+from favor.train.checkpoint import dotted, fingerprint
+from favor.config.checks import ConfigError
 from favor.models import lora
 from favor.models.layers import is_feature_map_param, is_qk_norm_param
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from favor import attention as attention_lib
 from favor import data
-from favor.configcheck import ConfigError, get, integer, number, regex
+from favor.config.checks import ConfigError, get, integer, number, regex
 from favor.data.tokenizers import FORMS as TOKENIZER_FORMS
 from favor.uptrain.init_from import parse
 from favor.uptrain.transfer import NAMED

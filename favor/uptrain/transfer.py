@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from favor.configcheck import ConfigError
+from favor.config.checks import ConfigError
 from favor.models import lora
 from favor.models.layers import SelfAttention
 from favor.train.stage import Stage

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from favor.configcheck import UsageError
+from favor.config.checks import UsageError
 
 log = logging.getLogger(__name__)
 

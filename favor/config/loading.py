@@ -3,7 +3,7 @@
     python train.py --config configs/<file>.py:data=local,kind=favor#,runlocal ...
 
 What configs are written with (parse_arg, run_config, optim, attention, apply_flag, ...) is
-favor.configbase's and the checks' error and readers favor.configcheck's, neither importing JAX; both are
+favor.config.blocks's and the checks' error and readers favor.config.checks's, neither importing JAX; both are
 re-exported here for the tools that build or change configs. The check of a whole config before a run is
 favor.job.validate, which composes each package's check of its own block.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 from favor import strings
 
 # the helpers configs are written and checked with, for the tools that build or change configs
-from favor.configbase import (OPTIM_DEFAULTS, OPTIM_OPTIONAL, apply_flag, attention, choice,  # noqa: F401
+from favor.config.blocks import (OPTIM_DEFAULTS, OPTIM_OPTIONAL, apply_flag, attention, choice,  # noqa: F401
                               missing_key, optim, parse_arg, run_config, values)
-from favor.configcheck import ConfigError, UsageError, describe_type, get  # noqa: F401
+from favor.config.checks import ConfigError, UsageError, describe_type, get  # noqa: F401
 
 __all__ = ["ConfigError", "UsageError", "OPTIM_DEFAULTS", "OPTIM_OPTIONAL", "apply_flag", "attention", "choice", "describe_type",
            "get", "load", "load_module", "missing_key", "optim", "parse_arg", "run_config", "values"]

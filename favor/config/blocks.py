@@ -1,10 +1,10 @@
 """What configs/*.py are written with, importing no JAX: the arg string after a config's file name, the
 run-loop, optimizer and attention blocks, and one dotted override. Writing or printing a config reads
-only this module (and favor.strings, favor.presets); checking one before a run is favor.configlib's.
+only this module (and favor.strings, favor.config.presets); checking one before a run is favor.config.loading's.
 
-    args = configbase.parse_arg(arg, runlocal=False, kind="favor++", steps=0)   # typed by the defaults
-    c = configbase.run_config(total_steps=..., batch_size=..., eval_batch_size=..., every=...)
-    c.optim = configbase.optim(lr=1e-4, schedule="linear", warmup_steps=10_000, weight_decay=0.01)
+    args = blocks.parse_arg(arg, runlocal=False, kind="favor++", steps=0)   # typed by the defaults
+    c = blocks.run_config(total_steps=..., batch_size=..., eval_batch_size=..., every=...)
+    c.optim = blocks.optim(lr=1e-4, schedule="linear", warmup_steps=10_000, weight_decay=0.01)
 
 The blocks' default keys live here, and the modules that read them import them from here (the sharding
 rules, LoRA's targets, the query/key normalisation options); the attention kinds' spec options are
@@ -121,7 +121,7 @@ def optim(**overrides) -> ml_collections.ConfigDict:
     valid = {**OPTIM_DEFAULTS, **OPTIM_OPTIONAL}
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
-        raise ValueError(f"configlib.optim: unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+        raise ValueError(f"loading.optim: unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     o = {**OPTIM_DEFAULTS, **overrides}
     for k, v in o.items():
         o[k] = int(v) if k in _INT_OPTIM else float(v) if isinstance(valid[k], float) else v

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from favor import attention, configlib, strings
+from favor import attention, strings
+from favor.config import loading
 
 # Keys that only pick a random stream: runs that differ in these alone are repeats of one setting
 # (favor.tools.report averages them).
@@ -111,7 +112,7 @@ def load(config: str) -> list[Run]:
     """The runs of `config` ("path.py" or "path.py:arg"): its module's sweep(), called with the arg when
     it takes one."""
     path, arg = strings.config_spec(config)
-    module = configlib.load_module(path)
+    module = loading.load_module(path)
     if not hasattr(module, "sweep"):
         raise ValueError(f"{path} has no sweep() function")
     takes_arg = bool(inspect.signature(module.sweep).parameters)

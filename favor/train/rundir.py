@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from favor.configcheck import UsageError
+from favor.config.checks import UsageError
 from favor.data import atomic
 
 # What a resume may change: how long the run goes on, how often it evaluates, checkpoints and logs, how
