@@ -804,16 +804,16 @@ def test_a_document_pass_continues_from_the_carry_of_the_keys_before_it():
                                       jnp.concatenate([x[4], jnp.ones_like(x[4][..., :1])], -1), keep, x[6][:, -1])
         return jnp.concatenate(pieces, 2)
 
-    run = jax.jit(lambda xq, xk, v, s: jax.value_and_grad(lambda *a: jnp.sum(w * passes(*a, s)), (0, 1, 2))(xq, xk, v),
-                  static_argnums=3)
-    whole = jax.jit(lambda xq, xk, v: jax.value_and_grad(lambda *a: jnp.sum(w * fused.document_pass(
-        a[0], rq, pq, cq, a[1], rk, pk, ck, a[2], mask, runs, runs, cut=cut)[0]), (0, 1, 2))(xq, xk, v))
-    _, want = whole(xq, xk, v)
+    # one program per cut: the outputs (the loss's aux) and the gradients
+    loss = lambda out: (jnp.sum(w * out), out)
+    run = jax.jit(lambda xq, xk, v, s: jax.value_and_grad(lambda *a: loss(passes(*a, s)), (0, 1, 2), has_aux=True)(
+        xq, xk, v), static_argnums=3)
+    whole = jax.jit(lambda xq, xk, v: jax.value_and_grad(lambda *a: loss(fused.document_pass(
+        a[0], rq, pq, cq, a[1], rk, pk, ck, a[2], mask, runs, runs, cut=cut)[0]), (0, 1, 2), has_aux=True)(xq, xk, v))
+    (_, ref), want = whole(xq, xk, v)
     for s in (40, 48, 64, 100):
-        _, got = run(xq, xk, v, s)
+        (_, out), got = run(xq, xk, v, s)
         for name, a, b in zip(("xq", "xk", "v"), got, want):
             err = float(np.max(np.abs(np.asarray(a - b))) / np.max(np.abs(np.asarray(b))))
             assert err < 1e-5, (s, name, err)
-        out = jax.jit(passes, static_argnums=3)(xq, xk, v, s)
-        ref = jax.jit(lambda: fused.document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, mask, runs, runs, cut=cut)[0])()
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * np.max(np.abs(np.asarray(ref))))

@@ -45,8 +45,9 @@ index, never by a value they hold.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,56 +74,76 @@ HIGHEST = jax.lax.Precision.HIGHEST
 PRECISIONS = {"highest": HIGHEST, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
               "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32}
 PRECISION = "tf32x3"
+
+
+# -- what the kernels read -------------------------------------------------------------------------
+# Every kernel takes its operands in named groups (pallas_call hands a kernel its inputs' refs in the
+# inputs' own structure) and writes named output refs. Inside a kernel the fields are refs over the
+# program's block (its rows of one batch and head, its block of features); outside, the padded arrays.
+class Side(NamedTuple):
+    """One side's log-linear map: log φ(u) = x·proj + const + row, x [rows, D], row [rows], proj [D, F]
+    and const [F] (the module docstring's P, c and r(u))."""
+    x: Any
+    row: Any
+    proj: Any
+    const: Any
+
+
+class Keys(NamedTuple):
+    """The key side: its map, the values v [rows, Dv] and valid [rows] (1.0 a key, 0.0 padding)."""
+    map: Side
+    v: Any
+    valid: Any
+
+
+class State(NamedTuple):
+    """Keys summed on their per-feature maximum tau [F] (LOW: no key yet), every factor ≤ 1:
+    t = Σ_j exp(l_k(j) − tau) v_j [F, Dv] and z = Σ_j exp(l_k(j) − tau) [F]."""
+    tau: Any
+    t: Any
+    z: Any
+
+
+class Sums(NamedTuple):
+    """The backward pass's query sums U on a reference ρ (module docstring: U = Σ_i φ_q(i) h_iᵀ, the
+    factors exp(l_q(i) + ρ − log den_i)): u = Σ_i … g_i [F, Dv] and d = −Σ_i … δ_i [F]."""
+    u: Any
+    d: Any
+
+
+class Forward(NamedTuple):
+    """What the backward kernels read of the forward pass: the output o [rows, Dv], its cotangent g, the
+    row's log-denominator lden [rows], the reference each chunk's keys were taken on, refs [chunks, F]
+    (causal), and the log-denominator's own cotangent gl [rows] (documents: their bidirectional call
+    combines two passes by it)."""
+    o: Any
+    g: Any
+    lden: Any
+    refs: Any = None
+    gl: Any = None
+
+
+class Tools(NamedTuple):
+    """What a kernel body computes with: its matrix product at the call's precision (a static argument of
+    the kernel), the mask of its feature block's real features (the padded width past the map's own
+    count holds none) and the chunk length."""
+    dot: Any
+    real: Any
+    chunk: int
+
+
 def _dot(a, b, ta=False, tb=False, *, precision):
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def _log_features(dot, x, r, p, c, real):
-    """[n, D] inputs -> [n, F] log-features; LOW in the features that only pad the kernel's width (`real`
-    False), which then set no maximum and weigh nothing."""
-    return jnp.where(real[None, :], dot(x, p) + c[None, :] + r[:, None], LOW)
-
-
-def _real(fb, f):
-    """[fb]: which features of the program's block are the map's own (the first f of the padded width)."""
-    return pl.program_id(2) * fb + _iota(fb) < f
-
-
-def _tools(fb, f, precision):
-    """What a kernel computes with: its matrix product at `precision` (a static argument of the kernel) and
-    the mask of its feature block's real features."""
-    return functools.partial(_dot, precision=precision), _real(fb, f)
+def _tools(block, features, precision, chunk):
+    real = pl.program_id(2) * block + _iota(block) < features
+    return Tools(functools.partial(_dot, precision=precision), real, chunk)
 
 
 def _iota(n):
     return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-
-
-def _reference(lk, val, seen, tau):
-    """The chunk's key reference τ0 [F]: the carry once a valid key came before, else the chunk's first
-    valid key (every query that sees a key sees that one); zeros while no key at all (unused then)."""
-    c = lk.shape[0]
-    idx = _iota(c)
-    first = jnp.min(jnp.where(val, idx, c))
-    anchor = jnp.sum(jnp.where((idx == first)[:, None], lk, 0.0), axis=0)
-    return jnp.where(seen > 0, tau, anchor)
-
-
-def _causal_terms(lq, lk, val, tau0, real):
-    """The chunk's stabilised factors on reference τ0: a_j (LOW for padding), β_i, fq = exp(l_q + τ0 − β),
-    fk = exp(l_k − τ0 − a) (0 for padded keys and features), key weights w = e^min(a, EXCEEDANCE) and the
-    causal mask. `real` [F]: the features that are not padding (a padded feature's l_k − τ0 is a difference
-    of row terms, which must neither set a_j nor overflow)."""
-    c = lk.shape[0]
-    idx = _iota(c)
-    a = jnp.where(val, jnp.max(jnp.where(real[None, :], lk - tau0[None, :], LOW), axis=1), LOW)
-    beta = jnp.max(lq + tau0[None, :], axis=1)
-    fk = jnp.where(val[:, None] & real[None, :], jnp.exp(lk - tau0[None, :] - a[:, None]), 0.0)
-    fq = jnp.exp(lq + tau0[None, :] - beta[:, None])
-    w = jnp.where(val, jnp.exp(jnp.minimum(a, EXCEEDANCE)), 0.0)
-    tri = idx[:, None] >= idx[None, :]
-    return a, beta, fq, fk, w, tri
 
 
 def _rows(i, c):
@@ -138,232 +159,298 @@ def _chunks(ref, c):
     return ref.shape[0] // c
 
 
-def _key_state(dot, real, xk_ref, rk_ref, v_ref, val_ref, pk, ck, c, n):
-    """(τ [F], T [F, Dv], z [F]) over the program's keys: the running per-feature key maximum (LOW where no
-    valid key) and Σ_j exp(l_k(j) − τ)[v_j, 1], every factor ≤ 1."""
-    f, dv = pk.shape[1], v_ref.shape[1]
+def _params(side):
+    """A side's map parameters (proj, const), loaded once per program."""
+    return side.proj[...], side.const[...]
 
-    def body(i, carry):
-        tau, t, z = carry
-        rows = _rows(i, c)
-        val = val_ref[rows] > 0
-        lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
-        new = jnp.maximum(tau, jnp.max(lk, axis=0))
-        keep = jnp.exp(tau - new)
-        fk = jnp.where(val[:, None] & real[None, :], jnp.exp(lk - new[None, :]), 0.0)
-        return new, t * keep[:, None] + dot(fk, _load(v_ref, rows), ta=True), z * keep + jnp.sum(fk, axis=0)
 
-    init = (jnp.full((f,), LOW, F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
+def _log_features(tools, side, params, rows, valid=None):
+    """[chunk, F] log-features of the side's rows; LOW in the features that only pad the block (they set
+    no maximum and weigh nothing) and, given `valid`, in the rows without a key."""
+    proj, const = params
+    lf = tools.dot(_load(side.x, rows), proj) + const[None, :] + _load(side.row, rows)[:, None]
+    keep = tools.real[None, :] if valid is None else valid[:, None] & tools.real[None, :]
+    return jnp.where(keep, lf, LOW)
+
+
+def _valid(keys, rows):
+    return keys.valid[rows] > 0
+
+
+def _reference(lk, val, seen, tau):
+    """The chunk's key reference τ0 [F]: the carry once a valid key came before, else the chunk's first
+    valid key (every query that sees a key sees that one); zeros while no key at all (unused then)."""
+    c = lk.shape[0]
+    idx = _iota(c)
+    first = jnp.min(jnp.where(val, idx, c))
+    anchor = jnp.sum(jnp.where((idx == first)[:, None], lk, 0.0), axis=0)
+    return jnp.where(seen > 0, tau, anchor)
+
+
+class Terms(NamedTuple):
+    """A causal chunk's stabilised factors on its keys' references: a [c] (a_j, each key's excess over its
+    reference; LOW for padding), beta [c] (β_i), fq = exp(l_q + ρ_i − β) [c, F], fk = exp(l_k − ρ_j − a)
+    [c, F] (0 for padded keys and features), the key weights w = e^min(a, EXCEEDANCE) [c] and the mask of
+    the pairs a query sees [c, c]."""
+    a: Any
+    beta: Any
+    fq: Any
+    fk: Any
+    w: Any
+    mask: Any
+
+
+def _causal_terms(tools, lq, lk, val, tau0):
+    """`Terms` on one reference τ0 for every key and query (no documents)."""
+    idx = _iota(lk.shape[0])
+    a = jnp.where(val, jnp.max(jnp.where(tools.real[None, :], lk - tau0[None, :], LOW), axis=1), LOW)
+    beta = jnp.max(lq + tau0[None, :], axis=1)
+    fk = jnp.where(val[:, None] & tools.real[None, :], jnp.exp(lk - tau0[None, :] - a[:, None]), 0.0)
+    fq = jnp.exp(lq + tau0[None, :] - beta[:, None])
+    w = jnp.where(val, jnp.exp(jnp.minimum(a, EXCEEDANCE)), 0.0)
+    return Terms(a, beta, fq, fk, w, idx[:, None] >= idx[None, :])
+
+
+def _key_state(tools, keys, params, n):
+    """`State` over the program's n chunks of keys: the running per-feature key maximum and the sums on it."""
+    f, dv = params[0].shape[1], keys.v.shape[1]
+
+    def body(i, state):
+        rows = _rows(i, tools.chunk)
+        val = _valid(keys, rows)
+        lk = _log_features(tools, keys.map, params, rows, val)
+        tau = jnp.maximum(state.tau, jnp.max(lk, axis=0))
+        keep = jnp.exp(state.tau - tau)
+        fk = jnp.where(val[:, None] & tools.real[None, :], jnp.exp(lk - tau[None, :]), 0.0)
+        return State(tau, state.t * keep[:, None] + tools.dot(fk, _load(keys.v, rows), ta=True),
+                     state.z * keep + jnp.sum(fk, axis=0))
+
+    init = State(jnp.full((f,), LOW, F32), jnp.zeros((f, dv), F32), jnp.zeros((f,), F32))
     return jax.lax.fori_loop(0, n, body, init)
 
 
-def _key_state_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, t_ref, z_ref, *, c, f, precision):
-    dot, real = _tools(pk_ref.shape[1], f, precision)
-    tau, t, z = _key_state(dot, real, xk_ref, rk_ref, v_ref, val_ref, pk_ref[...], ck_ref[...], c,
-                           _chunks(val_ref, c))
-    tau_ref[...] = tau
-    t_ref[...] = t
-    z_ref[...] = z
+def _key_state_kernel(keys: Keys, tau_ref, t_ref, z_ref, *, chunk, features, precision):
+    tools = _tools(keys.map.proj.shape[1], features, precision, chunk)
+    state = _key_state(tools, keys, _params(keys.map), _chunks(keys.valid, chunk))
+    tau_ref[...], t_ref[...], z_ref[...] = state
 
 
 # -- causal ----------------------------------------------------------------------------------------
-def _causal_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                       tin_ref, sin_ref, zin_ref, o_ref, lden_ref, tau_ref, a_ref, *, c, f, precision):
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    dot, real = _tools(pk.shape[1], f, precision)
+def _causal_fwd_kernel(q: Side, k: Keys, entering: State, o_ref, lden_ref, refs_ref, a_ref, *, chunk, features,
+                       precision):
+    """The chunk form, chunk after chunk, from the state of the keys before the segment (`entering`); writes
+    the output, the log-denominator, each chunk's reference and each key's a_j."""
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp, kp = _params(q), _params(k.map)
 
     def body(i, carry):
-        seen, tau, t, z = carry
-        rows = _rows(i, c)
-        val = val_ref[rows] > 0
-        lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
-        lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
-        v = _load(v_ref, rows)
-        tau0 = _reference(lk, val, seen, tau)
-        a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, real)
+        seen, state = carry
+        rows = _rows(i, chunk)
+        val = _valid(k, rows)
+        lq, lk = _log_features(tools, q, qp, rows), _log_features(tools, k.map, kp, rows, val)
+        v = _load(k.v, rows)
+        tau0 = _reference(lk, val, seen, state.tau)
+        x = _causal_terms(tools, lq, lk, val, tau0)
         # α_i = max(0 if a key came before the chunk, max_{j ≤ i} a_j): the row's own causal divisor
-        alpha = jnp.max(jnp.where(tri, a[None, :], LOW), axis=1)
+        alpha = jnp.max(jnp.where(x.mask, x.a[None, :], LOW), axis=1)
         alpha = jnp.where(seen > 0, jnp.maximum(alpha, 0.0), alpha)
         has = alpha > 0.5 * LOW
         scale = jnp.exp(-jnp.where(has, alpha, 0.0))
-        wv = v * w[:, None]
-        s = jnp.where(tri, dot(fq, fk, tb=True), 0.0)
-        num = (dot(fq, t) + dot(s, wv)) * scale[:, None]
-        den = (jnp.sum(fq * z[None, :], axis=1) + jnp.sum(s * w[None, :], axis=1)) * scale
+        wv = v * x.w[:, None]
+        s = jnp.where(x.mask, tools.dot(x.fq, x.fk, tb=True), 0.0)
+        num = (tools.dot(x.fq, state.t) + tools.dot(s, wv)) * scale[:, None]
+        den = (jnp.sum(x.fq * state.z[None, :], axis=1) + jnp.sum(s * x.w[None, :], axis=1)) * scale
         o_ref[rows, :] = (num / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
         # log of the true denominator Σ_j φ_q(i)·φ_k(j): what the backward pass divides by
-        lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + beta, LOW)
-        tau_ref[i, :] = tau0
-        a_ref[rows] = a
-        new_tau = jnp.maximum(tau0, jnp.max(lk, axis=0))
-        keep = jnp.exp(tau0 - new_tau)[:, None]
-        t = (t + dot(fk, wv, ta=True)) * keep
-        z = (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
-        seen = jnp.maximum(seen, jnp.max(jnp.where(val, 1.0, 0.0)))
-        return seen, new_tau, t, z
+        lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + x.beta, LOW)
+        refs_ref[i, :] = tau0
+        a_ref[rows] = x.a
+        tau = jnp.maximum(tau0, jnp.max(lk, axis=0))
+        keep = jnp.exp(tau0 - tau)
+        state = State(tau, (state.t + tools.dot(x.fk, wv, ta=True)) * keep[:, None],
+                      (state.z + jnp.sum(x.fk * x.w[:, None], axis=0)) * keep)
+        return jnp.maximum(seen, jnp.max(jnp.where(val, 1.0, 0.0))), state
 
-    # the carry of the earlier segments: their key state on its running maximum (LOW: no key before)
-    tin = tin_ref[...]
-    seen = jnp.max(jnp.where(tin > 0.5 * LOW, 1.0, 0.0))
-    jax.lax.fori_loop(0, _chunks(val_ref, c), body, (seen, tin, sin_ref[...], zin_ref[...]))
+    # the earlier segments' key state on its running maximum (LOW: no key before)
+    start = State(entering.tau[...], entering.t[...], entering.z[...])
+    seen = jnp.max(jnp.where(start.tau > 0.5 * LOW, 1.0, 0.0))
+    jax.lax.fori_loop(0, _chunks(k.valid, chunk), body, (seen, start))
 
 
-def _causal_chunk(dot, real, refs, i, c, pq, cq, pk, ck):
-    """What both backward sweeps read of chunk i: the forward pass's factors on its reference τ0, r_i =
-    exp(β_i − log den_i), the output's cotangent g and δ_i = g_i·o_i."""
-    xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref = refs
-    rows = _rows(i, c)
-    val = val_ref[rows] > 0
-    lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
-    lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
-    tau0 = tau_ref[i, :]
-    a, beta, fq, fk, w, tri = _causal_terms(lq, lk, val, tau0, real)
-    lden = _load(lden_ref, rows)
-    # fq·r = exp(l_q + τ0 − log den) (0 for a row with no key). β_i ≤ log den_i wherever the chunk form is
-    # exact (τ0 is reached by a key the row sees); the clamp keeps r finite in a row beyond it, whose output
-    # the caller takes from the exact path (its cotangent here is 0) but whose terms must not be NaN (0·inf)
+class Chunk(NamedTuple):
+    """What both causal backward sweeps read of one chunk: its rows, which hold a key (val), the keys'
+    log-features lk, the reference tau0 the forward pass took, its `Terms`, r_i = exp(β_i − log den_i),
+    the output's cotangent g, δ_i = g_i·o_i (minus the log-denominator's cotangent, documents) and the
+    values v."""
+    rows: Any
+    val: Any
+    lk: Any
+    tau0: Any
+    terms: Terms
+    r: Any
+    g: Any
+    delta: Any
+    v: Any
+
+
+def _backward_rows(fwd, rows, beta, lden_cotangent=False):
+    """(r, g, δ) of a chunk's rows: r_i = exp(min(β_i − log den_i, 0)) (0 for a row with no key). β_i ≤ log
+    den_i wherever the chunk form is exact (the reference is reached by a key the row sees); the clamp
+    keeps r finite in a row beyond it, whose output the caller takes from the exact path (its cotangent
+    here is 0) but whose terms must not be NaN (0·inf)."""
+    lden = _load(fwd.lden, rows)
     r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
-    g = _load(g_ref, rows)
-    delta = jnp.sum(g * _load(o_ref, rows), axis=1)
-    return rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, _load(v_ref, rows)
+    g = _load(fwd.g, rows)
+    delta = jnp.sum(g * _load(fwd.o, rows), axis=1)
+    if lden_cotangent:
+        delta = delta - _load(fwd.gl, rows)
+    return r, g, delta
 
 
-def _causal_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                      o_ref, g_ref, lden_ref, tau_ref, sin_ref, zin_ref, dxq_ref, drq_ref, *sum_refs, c, f, precision):
+def _causal_chunk(tools, q, k, fwd, qp, kp, i):
+    rows = _rows(i, tools.chunk)
+    val = _valid(k, rows)
+    lq, lk = _log_features(tools, q, qp, rows), _log_features(tools, k.map, kp, rows, val)
+    tau0 = fwd.refs[i, :]
+    terms = _causal_terms(tools, lq, lk, val, tau0)
+    return Chunk(rows, val, lk, tau0, terms, *_backward_rows(fwd, rows, terms.beta), _load(k.v, rows))
+
+
+def _causal_dq_kernel(q: Side, k: Keys, fwd: Forward, entering: State, dx_ref, drow_ref, *sum_refs, chunk,
+                      features, precision):
     """∂l_q in sequence order from the prefix state the forward pass carried (the earlier segments' as it
-    entered this one); with `sum_refs` (ug, ud: a call of several segments) also the segment's own query
-    sums U_s = Σ_i exp(l_q(i) + R − log den_i)[g_i, −δ_i] on the reference R of its first chunk, which the
-    key sweeps of the earlier segments read (one segment has no earlier one: the sums are not formed)."""
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    dot, real = _tools(pk.shape[1], f, precision)
-    refs = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref)
-    first = tau_ref[0, :] if sum_refs else None
+    entered this one); with `sum_refs` (u, d: a call of several segments) also the segment's own query
+    sums U_s on the reference R of its first chunk, which the key sweeps of the earlier segments read (one
+    segment has no earlier one: the sums are not formed)."""
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp, kp = _params(q), _params(k.map)
+    first = fwd.refs[0, :] if sum_refs else None
 
     def body(i, carry):
-        t, z, ug, ud = carry
-        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(dot, real, refs, i, c, pq, cq, pk, ck)
-        wv = v * w[:, None]
-        m = jnp.where(tri, dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
-        dlq = fq * r[:, None] * (dot(g, t, tb=True) - delta[:, None] * z[None, :] + dot(m, fk))
-        dxq_ref[rows, :] = dot(dlq, pq, tb=True)
-        drq_ref[rows] = jnp.sum(dlq, axis=1)
-        keep = jnp.exp(tau0 - jnp.maximum(tau0, jnp.max(lk, axis=0)))[:, None]
-        # this chunk's rows on the segment's first reference (τ0 ≥ it once a key was seen; rows before any
-        # key have r = 0)
-        t, z = (t + dot(fk, wv, ta=True)) * keep, (z + jnp.sum(fk * w[:, None], axis=0)) * keep[:, 0]
+        t, z, sums = carry
+        ch = _causal_chunk(tools, q, k, fwd, qp, kp, i)
+        x = ch.terms
+        wv = ch.v * x.w[:, None]
+        m = jnp.where(x.mask, tools.dot(ch.g, wv, tb=True) - ch.delta[:, None] * x.w[None, :], 0.0)
+        dlq = x.fq * ch.r[:, None] * (tools.dot(ch.g, t, tb=True) - ch.delta[:, None] * z[None, :]
+                                      + tools.dot(m, x.fk))
+        dx_ref[ch.rows, :] = tools.dot(dlq, qp[0], tb=True)
+        drow_ref[ch.rows] = jnp.sum(dlq, axis=1)
+        keep = jnp.exp(ch.tau0 - jnp.maximum(ch.tau0, jnp.max(ch.lk, axis=0)))[:, None]
+        t, z = (t + tools.dot(x.fk, wv, ta=True)) * keep, (z + jnp.sum(x.fk * x.w[:, None], axis=0)) * keep[:, 0]
         if sum_refs:
-            fr = fq * (r[:, None] * jnp.exp(jnp.minimum(first - tau0, 0.0))[None, :])
-            ug, ud = ug + dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
-        return t, z, ug, ud
+            # this chunk's rows on the segment's first reference (τ0 ≥ it once a key was seen; rows before any
+            # key have r = 0)
+            fr = x.fq * (ch.r[:, None] * jnp.exp(jnp.minimum(first - ch.tau0, 0.0))[None, :])
+            sums = Sums(sums.u + tools.dot(fr, ch.g, ta=True), sums.d - jnp.sum(fr * ch.delta[:, None], axis=0))
+        return t, z, sums
 
     shapes = [ref.shape for ref in sum_refs] or [(1, 1), (1,)]
-    init = (sin_ref[...], zin_ref[...], *(jnp.zeros(s, F32) for s in shapes))
-    _, _, ug, ud = jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
+    init = (entering.t[...], entering.z[...], Sums(*(jnp.zeros(s, F32) for s in shapes)))
+    *_, sums = jax.lax.fori_loop(0, _chunks(k.valid, chunk), body, init)
     if sum_refs:
-        sum_refs[0][...] = ug
-        sum_refs[1][...] = ud
+        sum_refs[0][...], sum_refs[1][...] = sums
 
 
-def _causal_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, pq_ref, cq_ref, pk_ref, ck_ref,
-                      o_ref, g_ref, lden_ref, tau_ref, ugin_ref, udin_ref, rnext_ref, dxk_ref, drk_ref, dv_ref,
-                      *, c, f, precision):
+def _causal_dk_kernel(q: Side, k: Keys, fwd: Forward, later: Sums, next_ref, dx_ref, drow_ref, dv_ref, *,
+                      chunk, features, precision):
     """∂l_k and ∂v in reverse: U = Σ_{i in later chunks} exp(l_q(i) + ρ − log den_i)[g_i, −δ_i] on ρ = the
     next chunk's reference, which bounds every key of this chunk (exp(l_k − ρ) ≤ 1); it enters the segment
-    as the later segments' sums on the next segment's first reference."""
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    dot, real = _tools(pk.shape[1], f, precision)
-    refs = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, o_ref, g_ref, lden_ref, tau_ref)
-    n = _chunks(val_ref, c)
-    rnext = rnext_ref[...]
+    as the later segments' sums (`later`) on the next segment's first reference (`next_ref`)."""
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp, kp = _params(q), _params(k.map)
+    n = _chunks(k.valid, chunk)
+    after = next_ref[...]
 
-    def body(step, carry):
-        ug, ud = carry
+    def body(step, sums):
         i = n - 1 - step
-        rows, val, lk, tau0, fq, fk, w, tri, r, g, delta, v = _causal_chunk(dot, real, refs, i, c, pq, cq, pk, ck)
-        rho = jnp.where(i + 1 < n, tau_ref[jnp.minimum(i + 1, n - 1), :], rnext)
-        ek = jnp.where(val[:, None] & real[None, :], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
-        fr = fq * r[:, None]
-        b = jnp.where(tri, dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
-        s = jnp.where(tri, dot(fq, fk, tb=True), 0.0)
-        dlk = ek * (dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * dot(b, fr, ta=True)
-        dv_ref[rows, :] = (dot(ek, ug) + w[:, None] * dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
-        dxk_ref[rows, :] = dot(dlk, pk, tb=True)
-        drk_ref[rows] = jnp.sum(dlk, axis=1)
-        keep = jnp.exp(jnp.minimum(tau0 - rho, 0.0))
-        return (ug * keep[:, None] + dot(fr, g, ta=True),
-                ud * keep - jnp.sum(fr * delta[:, None], axis=0))
+        ch = _causal_chunk(tools, q, k, fwd, qp, kp, i)
+        x = ch.terms
+        rho = jnp.where(i + 1 < n, fwd.refs[jnp.minimum(i + 1, n - 1), :], after)
+        ek = jnp.where(ch.val[:, None] & tools.real[None, :], jnp.exp(jnp.minimum(ch.lk - rho[None, :], 0.0)), 0.0)
+        fr = x.fq * ch.r[:, None]
+        b = jnp.where(x.mask, tools.dot(ch.g, ch.v, tb=True) - ch.delta[:, None], 0.0)          # [i, j]
+        s = jnp.where(x.mask, tools.dot(x.fq, x.fk, tb=True), 0.0)
+        dlk = ek * (tools.dot(ch.v, sums.u, tb=True) + sums.d[None, :]) + x.fk * x.w[:, None] * tools.dot(
+            b, fr, ta=True)
+        dv_ref[ch.rows, :] = (tools.dot(ek, sums.u) + x.w[:, None] * tools.dot(s, ch.g * ch.r[:, None], ta=True)
+                              ).astype(dv_ref.dtype)
+        dx_ref[ch.rows, :] = tools.dot(dlk, kp[0], tb=True)
+        drow_ref[ch.rows] = jnp.sum(dlk, axis=1)
+        keep = jnp.exp(jnp.minimum(ch.tau0 - rho, 0.0))
+        return Sums(sums.u * keep[:, None] + tools.dot(fr, ch.g, ta=True),
+                    sums.d * keep - jnp.sum(fr * ch.delta[:, None], axis=0))
 
-    jax.lax.fori_loop(0, n, body, (ugin_ref[...], udin_ref[...]))
+    jax.lax.fori_loop(0, n, body, Sums(later.u[...], later.d[...]))
 
 
 # -- bidirectional ---------------------------------------------------------------------------------
-def _query_terms(dot, real, xq_ref, rq_ref, rows, pq, cq, tau):
-    lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
+def _query_terms(tools, q, qp, rows, tau):
+    """(β_i, exp(l_q(i) + τ − β_i)) of a chunk's queries against the key state's maximum τ."""
+    lq = _log_features(tools, q, qp, rows)
     beta = jnp.max(lq + tau[None, :], axis=1)
     return beta, jnp.exp(lq + tau[None, :] - beta[:, None])
 
 
-def _bidir_fwd_kernel(xq_ref, rq_ref, pq_ref, cq_ref, tau_ref, t_ref, z_ref, o_ref, lden_ref, *, c, f, precision):
+def _bidir_fwd_kernel(q: Side, keys: State, o_ref, lden_ref, *, chunk, features, precision):
     """The queries of one segment against the key state of every key: exp(l_q(i) + τ − β_i), β_i =
     max_f(l_q(i, f) + τ_f), so the denominator is ≥ 1 and no relevant term underflows."""
-    pq, cq, tau, t, z = pq_ref[...], cq_ref[...], tau_ref[...], t_ref[...], z_ref[...]
-    dot, real = _tools(pq.shape[1], f, precision)
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp = _params(q)
+    tau, t, z = keys.tau[...], keys.t[...], keys.z[...]
 
     def body(i, _):
-        rows = _rows(i, c)
-        beta, fq = _query_terms(dot, real, xq_ref, rq_ref, rows, pq, cq, tau)
+        rows = _rows(i, chunk)
+        beta, fq = _query_terms(tools, q, qp, rows, tau)
         den = jnp.sum(fq * z[None, :], axis=1)
-        o_ref[rows, :] = (dot(fq, t) / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
+        o_ref[rows, :] = (tools.dot(fq, t) / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
         lden_ref[rows] = jnp.where(den > 0, jnp.log(jnp.maximum(den, 1e-37)) + beta, LOW)
         return 0
 
-    jax.lax.fori_loop(0, _chunks(rq_ref, c), body, 0)
+    jax.lax.fori_loop(0, _chunks(q.row, chunk), body, 0)
 
 
-def _bidir_dq_kernel(xq_ref, rq_ref, pq_ref, cq_ref, o_ref, g_ref, lden_ref, tau_ref, t_ref, z_ref,
-                     dxq_ref, drq_ref, ug_ref, ud_ref, *, c, f, precision):
-    """∂l_q of one segment's queries, and their sums U_s = Σ_i exp(l_q(i) + τ − log den_i)[g_i, −δ_i] (all
-    on the one key reference τ: the segments' sums add)."""
-    pq, cq, tau, t, z = pq_ref[...], cq_ref[...], tau_ref[...], t_ref[...], z_ref[...]
-    dot, real = _tools(pq.shape[1], f, precision)
+def _bidir_dq_kernel(q: Side, keys: State, fwd: Forward, dx_ref, drow_ref, u_ref, d_ref, *, chunk, features,
+                     precision):
+    """∂l_q of one segment's queries, and their sums U_s (all on the one key reference τ: the segments'
+    sums add)."""
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp = _params(q)
+    tau, t, z = keys.tau[...], keys.t[...], keys.z[...]
 
-    def body(i, carry):
-        ug, ud = carry
-        rows = _rows(i, c)
-        beta, fq = _query_terms(dot, real, xq_ref, rq_ref, rows, pq, cq, tau)
-        lden = _load(lden_ref, rows)
+    def body(i, sums):
+        rows = _rows(i, chunk)
+        beta, fq = _query_terms(tools, q, qp, rows, tau)
         # β_i ≤ log den_i: the denominator holds the term of the feature that sets β_i (den ≥ 1 on β's scale)
-        fr = fq * jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))[:, None]
-        g = _load(g_ref, rows)
-        delta = jnp.sum(g * _load(o_ref, rows), axis=1)
-        dlq = fr * (dot(g, t, tb=True) - delta[:, None] * z[None, :])
-        dxq_ref[rows, :] = dot(dlq, pq, tb=True)
-        drq_ref[rows] = jnp.sum(dlq, axis=1)
-        return ug + dot(fr, g, ta=True), ud - jnp.sum(fr * delta[:, None], axis=0)
+        r, g, delta = _backward_rows(fwd, rows, beta)
+        fr = fq * r[:, None]
+        dlq = fr * (tools.dot(g, t, tb=True) - delta[:, None] * z[None, :])
+        dx_ref[rows, :] = tools.dot(dlq, qp[0], tb=True)
+        drow_ref[rows] = jnp.sum(dlq, axis=1)
+        return Sums(sums.u + tools.dot(fr, g, ta=True), sums.d - jnp.sum(fr * delta[:, None], axis=0))
 
-    init = (jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32))
-    ug, ud = jax.lax.fori_loop(0, _chunks(rq_ref, c), body, init)
-    ug_ref[...] = ug
-    ud_ref[...] = ud
+    init = Sums(jnp.zeros(u_ref.shape, F32), jnp.zeros(d_ref.shape, F32))
+    u_ref[...], d_ref[...] = jax.lax.fori_loop(0, _chunks(q.row, chunk), body, init)
 
 
-def _bidir_dk_kernel(xk_ref, rk_ref, v_ref, val_ref, pk_ref, ck_ref, tau_ref, ug_ref, ud_ref,
-                     dxk_ref, drk_ref, dv_ref, *, c, f, precision):
-    pk, ck, tau, ug, ud = pk_ref[...], ck_ref[...], tau_ref[...], ug_ref[...], ud_ref[...]
-    dot, real = _tools(pk.shape[1], f, precision)
+def _bidir_dk_kernel(k: Keys, tau_ref, queries: Sums, dx_ref, drow_ref, dv_ref, *, chunk, features, precision):
+    """∂l_k and ∂v of one segment's keys from every query's sums U on the keys' maximum τ."""
+    tools = _tools(k.map.proj.shape[1], features, precision, chunk)
+    kp = _params(k.map)
+    tau, u, d = tau_ref[...], queries.u[...], queries.d[...]
 
     def body(i, _):
-        rows = _rows(i, c)
-        val = val_ref[rows] > 0
-        lk = _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real)
-        ek = jnp.where(val[:, None] & real[None, :], jnp.exp(jnp.minimum(lk - tau[None, :], 0.0)), 0.0)
-        dlk = ek * (dot(_load(v_ref, rows), ug, tb=True) + ud[None, :])
-        dv_ref[rows, :] = dot(ek, ug).astype(dv_ref.dtype)
-        dxk_ref[rows, :] = dot(dlk, pk, tb=True)
-        drk_ref[rows] = jnp.sum(dlk, axis=1)
+        rows = _rows(i, chunk)
+        val = _valid(k, rows)
+        lk = _log_features(tools, k.map, kp, rows)
+        ek = jnp.where(val[:, None] & tools.real[None, :], jnp.exp(jnp.minimum(lk - tau[None, :], 0.0)), 0.0)
+        dlk = ek * (tools.dot(_load(k.v, rows), u, tb=True) + d[None, :])
+        dv_ref[rows, :] = tools.dot(ek, u).astype(dv_ref.dtype)
+        dx_ref[rows, :] = tools.dot(dlk, kp[0], tb=True)
+        drow_ref[rows] = jnp.sum(dlk, axis=1)
         return 0
 
-    jax.lax.fori_loop(0, _chunks(val_ref, c), body, 0)
+    jax.lax.fori_loop(0, _chunks(k.valid, chunk), body, 0)
 
 
 # -- calls -----------------------------------------------------------------------------------------
@@ -468,20 +555,31 @@ class Plan(NamedTuple):
     precision: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One operand of a kernel call: the array and how the grid reads it (`_spec`'s kinds)."""
+    array: Any
+    kind: str
+
+
 def _call(kernel, inputs, outs, grid, plan):
-    """pallas_call of kernel(c=chunk, f=features, precision=the products' precision) over grid (B, H, G, S);
-    inputs [(array, kind)], outs [(shape, kind)] (float32)."""
+    """pallas_call of kernel(chunk=, features=, precision=the products' precision) over grid (B, H, G, S).
+    inputs: the kernel's positional inputs, each an `Op` or a NamedTuple (`Side`, `Keys`, ...) of them,
+    which the kernel receives as refs in the same structure; outs [(shape, kind)] (float32), its output
+    refs after them."""
     b, h = grid[:2]
-    fb = plan.block
-    bc = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
-    in_specs = [_spec(k, a.shape, fb, grid[3], bc(a) if k in ("proj", "const") else (False, False))
-                for a, k in inputs]
+    bcast = lambda a: (a.shape[0] == 1 and b > 1, a.shape[1] == 1 and h > 1)
+    spec = lambda o: _spec(o.kind, o.array.shape, plan.block, grid[3],
+                           bcast(o.array) if o.kind in ("proj", "const") else (False, False))
+    leaf = lambda x: isinstance(x, Op)
+    in_specs = [jax.tree.map(spec, x, is_leaf=leaf) for x in inputs]
+    args = [jax.tree.map(lambda o: o.array, x, is_leaf=leaf) for x in inputs]
     precision = HIGHEST if plan.interpret else PRECISIONS[plan.precision]
-    body = functools.partial(kernel, c=plan.chunk, f=plan.features, precision=precision)
+    body = functools.partial(kernel, chunk=plan.chunk, features=plan.features, precision=precision)
     return pl.pallas_call(
         body, out_shape=[jax.ShapeDtypeStruct(s, F32) for s, _ in outs], grid=grid, in_specs=in_specs,
-        out_specs=[_spec(k, s, fb, grid[3]) for s, k in outs], interpret=plan.interpret,
-        **_compiler(plan.interpret, plan.launch))(*[a for a, _ in inputs])
+        out_specs=[_spec(k, s, plan.block, grid[3]) for s, k in outs], interpret=plan.interpret,
+        **_compiler(plan.interpret, plan.launch))(*args)
 
 
 def _total(tau, t, z):
@@ -533,8 +631,12 @@ def _state_outs(b, h, s, f, dv):
     return [((b, h, s, f), "seg_feat"), ((b, h, s, f, dv), "seg_cols"), ((b, h, s, f), "seg_feat")]
 
 
-def _key_inputs(xk, rk, v, val, pk, ck):
-    return [(xk, "rows"), (rk, "rows"), (v, "rows"), (val, "valid"), (pk, "proj"), (ck, "const")]
+def _side(x, r, p, c):
+    return Side(Op(x, "rows"), Op(r, "rows"), Op(p, "proj"), Op(c, "const"))
+
+
+def _keys(xk, rk, pk, ck, v, val):
+    return Keys(_side(xk, rk, pk, ck), Op(v, "rows"), Op(val, "valid"))
 
 
 def _forward(ops, causal, segs, plan):
@@ -543,30 +645,28 @@ def _forward(ops, causal, segs, plan):
     xq, rq, xk, rk, v, val, pq, cq, pk, ck = ops
     b, h, lq, _ = xq.shape
     lk, dv, f = xk.shape[2], v.shape[-1], pq.shape[-1]
-    c, g = plan.chunk, f // plan.block
+    g = f // plan.block
     call = functools.partial(_call, plan=plan)
+    q, k = _side(xq, rq, pq, cq), _keys(xk, rk, pk, ck, v, val)
     sq, sk = segs
     if sk > 1 or not causal:
-        states = call(_key_state_kernel, _key_inputs(xk, rk, v, val, pk, ck), _state_outs(b, h, sk, f, dv),
-                      (b, h, g, sk))
+        states = call(_key_state_kernel, [k], _state_outs(b, h, sk, f, dv), (b, h, g, sk))
     rows = [((b, h, g, lq, dv), "block"), ((b, h, g, lq), "block")]
     if causal:
         if sk > 1:
-            tin, sin, zin = _prefix(*states)
+            entering = State(*_prefix(*states))
         else:
-            tin, sin, zin = (jnp.full((b, h, 1, f), LOW, F32), jnp.zeros((b, h, 1, f, dv), F32),
+            entering = State(jnp.full((b, h, 1, f), LOW, F32), jnp.zeros((b, h, 1, f, dv), F32),
                              jnp.zeros((b, h, 1, f), F32))
-        n = lk // c
-        inputs = [(xq, "rows"), (rq, "rows"), *_key_inputs(xk, rk, v, val, pk, ck)[:4], (pq, "proj"),
-                  (cq, "const"), (pk, "proj"), (ck, "const"), (tin, "seg_feat"), (sin, "seg_cols"), (zin, "seg_feat")]
-        outs = rows + [((b, h, n, f), "chunk_feat"), ((b, h, g, lk), "block")]
-        o, lden, taus, excess = call(_causal_fwd_kernel, inputs, outs, (b, h, g, sk))
+        state_ops = State(Op(entering.tau, "seg_feat"), Op(entering.t, "seg_cols"), Op(entering.z, "seg_feat"))
+        outs = rows + [((b, h, lk // plan.chunk, f), "chunk_feat"), ((b, h, g, lk), "block")]
+        o, lden, refs, excess = call(_causal_fwd_kernel, [q, k, state_ops], outs, (b, h, g, sk))
         out, lden = combine_blocks(o, lden)
-        return out, lden, (taus, sin, zin), jnp.max(excess, axis=2)
-    tau, t, z = _total(*states)
-    inputs = [(xq, "rows"), (rq, "rows"), (pq, "proj"), (cq, "const"), (tau, "feat"), (t, "feat_cols"), (z, "feat")]
-    out, lden = combine_blocks(*call(_bidir_fwd_kernel, inputs, rows, (b, h, g, sq)))
-    return out, lden, (tau, t, z), jnp.full((b, h, lk), LOW, F32)
+        return out, lden, (refs, entering.t, entering.z), jnp.max(excess, axis=2)
+    keys = State(*_total(*states))
+    key_ops = State(Op(keys.tau, "feat"), Op(keys.t, "feat_cols"), Op(keys.z, "feat"))
+    out, lden = combine_blocks(*call(_bidir_fwd_kernel, [q, key_ops], rows, (b, h, g, sq)))
+    return out, lden, keys, jnp.full((b, h, lk), LOW, F32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
@@ -590,32 +690,30 @@ def _core_bwd(causal, segs, plan, residuals, cotangents):
     nb = f // plan.block
     sq, sk = segs
     call = functools.partial(_call, plan=plan)
+    q, k = _side(xq, rq, pq, cq), _keys(xk, rk, pk, ck, v, val)
     q_outs = [((b, h, nb, lq, dq), "block"), ((b, h, nb, lq), "block")]
     k_outs = [((b, h, nb, lk, dk), "block"), ((b, h, nb, lk), "block"), ((b, h, nb, lk, dv), "block")]
     if causal:
-        taus, sin, zin = saved
-        common = [(xq, "rows"), (rq, "rows"), *_key_inputs(xk, rk, v, val, pk, ck)[:4], (pq, "proj"),
-                  (cq, "const"), (pk, "proj"), (ck, "const"), (out, "rows"), (g, "rows"), (lden, "rows"),
-                  (taus, "chunk_feat")]
+        refs, t, z = saved
+        fwd = Forward(Op(out, "rows"), Op(g, "rows"), Op(lden, "rows"), Op(refs, "chunk_feat"))
         grid = (b, h, nb, sk)
         sums = _state_outs(b, h, sk, f, dv)[1:] if sk > 1 else []
-        dxq, drq, *parts = call(_causal_dq_kernel, common + [(sin, "seg_cols"), (zin, "seg_feat")],
-                                q_outs + sums, grid)
-        first = taus[:, :, ::taus.shape[2] // sk]
-        nxt = jnp.concatenate([first[:, :, 1:], taus[:, :, -1:]], axis=2)
+        entering = State(None, Op(t, "seg_cols"), Op(z, "seg_feat"))
+        dxq, drq, *parts = call(_causal_dq_kernel, [q, k, fwd, entering], q_outs + sums, grid)
+        first = refs[:, :, ::refs.shape[2] // sk]
+        nxt = jnp.concatenate([first[:, :, 1:], refs[:, :, -1:]], axis=2)
         # no segment after the last: one segment's key sweep starts from nothing
-        ugin, udin = _suffix(first, nxt, *parts) if sk > 1 else (jnp.zeros((b, h, 1, f, dv), F32),
-                                                                 jnp.zeros((b, h, 1, f), F32))
-        dxk, drk, dvv = call(_causal_dk_kernel, common + [(ugin, "seg_cols"), (udin, "seg_feat"), (nxt, "seg_feat")],
-                             k_outs, grid)
+        later = Sums(*_suffix(first, nxt, *parts)) if sk > 1 else Sums(jnp.zeros((b, h, 1, f, dv), F32),
+                                                                        jnp.zeros((b, h, 1, f), F32))
+        later = Sums(Op(later.u, "seg_cols"), Op(later.d, "seg_feat"))
+        dxk, drk, dvv = call(_causal_dk_kernel, [q, k, fwd, later, Op(nxt, "seg_feat")], k_outs, grid)
     else:
-        tau, t, z = saved
-        inputs = [(xq, "rows"), (rq, "rows"), (pq, "proj"), (cq, "const"), (out, "rows"), (g, "rows"),
-                  (lden, "rows"), (tau, "feat"), (t, "feat_cols"), (z, "feat")]
-        dxq, drq, ug, ud = call(_bidir_dq_kernel, inputs, q_outs + _state_outs(b, h, sq, f, dv)[1:], (b, h, nb, sq))
-        inputs = _key_inputs(xk, rk, v, val, pk, ck) + [(tau, "feat"), (jnp.sum(ug, axis=2), "feat_cols"),
-                                                        (jnp.sum(ud, axis=2), "feat")]
-        dxk, drk, dvv = call(_bidir_dk_kernel, inputs, k_outs, (b, h, nb, sk))
+        keys = State(Op(saved.tau, "feat"), Op(saved.t, "feat_cols"), Op(saved.z, "feat"))
+        fwd = Forward(Op(out, "rows"), Op(g, "rows"), Op(lden, "rows"))
+        dxq, drq, u, d = call(_bidir_dq_kernel, [q, keys, fwd], q_outs + _state_outs(b, h, sq, f, dv)[1:],
+                              (b, h, nb, sq))
+        queries = Sums(Op(jnp.sum(u, axis=2), "feat_cols"), Op(jnp.sum(d, axis=2), "feat"))
+        dxk, drk, dvv = call(_bidir_dk_kernel, [k, keys.tau, queries], k_outs, (b, h, nb, sk))
     dxq, drq, dxk, drk, dvv = (jnp.sum(p, axis=2) for p in (dxq, drq, dxk, drk, dvv))   # the feature blocks' shares
     zero = lambda a: jnp.zeros_like(a)
     return (dxq.astype(xq.dtype), drq, dxk.astype(xk.dtype), drk, dvv.astype(v.dtype), zero(val),
@@ -655,186 +753,209 @@ def _pick(dot, onehot, x):
     return sum(dot(onehot, part) for part in parts)
 
 
-def _doc_terms(dot, real, lq, lk, val, qrun, krun, carry):
-    """The chunk's factors with documents, given the carry (seen, τ, crun): a_j, β_i, fq, fk, w as in
-    `_causal_terms` on each row's own reference, the mask (j ≤ i, one run), which queries read the carry,
-    and the keys' references kref [c, F]."""
-    seen, tau, crun = carry
+class Runs(NamedTuple):
+    """Each row's document: the queries' runs and the keys' [rows] (the reversed pass shifts keys against
+    queries)."""
+    q: Any
+    k: Any
+
+
+class Carried(NamedTuple):
+    """The state a chunk enters with: whether its document has a key yet (seen), that document's key
+    maximum tau [F] (LOW while none) and its run."""
+    seen: Any
+    tau: Any
+    run: Any
+
+
+class DocTerms(NamedTuple):
+    """`Terms` with documents: each row on its own document's reference, the mask (j ≤ i, one run), which
+    queries read the carried state (`reads`) and the keys' references kref [c, F]."""
+    terms: Terms
+    reads: Any
+    kref: Any
+
+
+def _doc_terms(tools, lq, lk, val, runs, carried):
+    """The chunk's factors with documents, given the carried document."""
     c = lk.shape[0]
     idx = _iota(c)
-    carried = seen > 0
+    held = carried.seen > 0
     lk0 = jnp.where(val[:, None], lk, 0.0)
 
-    def refs(runs):
-        first = jnp.min(jnp.where((runs[:, None] == krun[None, :]) & val[None, :], idx[None, :], c), axis=1)
-        own = _pick(dot, jnp.where(idx[None, :] == first[:, None], 1.0, 0.0), lk0)     # zeros: no key of the run here
-        return jnp.where((carried & (runs == crun))[:, None], tau[None, :], own)
+    def refs(row_runs):
+        first = jnp.min(jnp.where((row_runs[:, None] == runs.k[None, :]) & val[None, :], idx[None, :], c), axis=1)
+        own = _pick(tools.dot, jnp.where(idx[None, :] == first[:, None], 1.0, 0.0), lk0)   # zeros: no key here
+        return jnp.where((held & (row_runs == carried.run))[:, None], carried.tau[None, :], own)
 
-    kref, qref = refs(krun), refs(qrun)
-    a = jnp.where(val, jnp.max(jnp.where(real[None, :], lk - kref, LOW), axis=1), LOW)
+    kref, qref = refs(runs.k), refs(runs.q)
+    a = jnp.where(val, jnp.max(jnp.where(tools.real[None, :], lk - kref, LOW), axis=1), LOW)
     beta = jnp.max(lq + qref, axis=1)
-    fk = jnp.where(val[:, None] & real[None, :], jnp.exp(lk - kref - a[:, None]), 0.0)
+    fk = jnp.where(val[:, None] & tools.real[None, :], jnp.exp(lk - kref - a[:, None]), 0.0)
     fq = jnp.exp(lq + qref - beta[:, None])
     w = jnp.where(val, jnp.exp(jnp.minimum(a, EXCEEDANCE)), 0.0)
-    mask = (idx[:, None] >= idx[None, :]) & (qrun[:, None] == krun[None, :])
-    return a, beta, fq, fk, w, mask, carried & (qrun == crun), kref
+    mask = (idx[:, None] >= idx[None, :]) & (runs.q[:, None] == runs.k[None, :])
+    return DocTerms(Terms(a, beta, fq, fk, w, mask), held & (runs.q == carried.run), kref)
 
 
-def _doc_carry(dot, carry, t, z, lk, val, krun, kref, fk, wv, w):
-    """The carry after the chunk: the state of its last slot's document, on that document's running maximum
-    (the carried state continued if it is the carried document, else restarted from the chunk's keys)."""
-    seen, _, crun = carry
+def _doc_carry(tools, carried, t, z, lk, val, runs, x: DocTerms, wv):
+    """(the carry after the chunk, its t, its z): the state of its last slot's document, on that document's
+    running maximum (the carried state continued if it is the carried document, else restarted from the
+    chunk's keys)."""
     c = lk.shape[0]
-    last = _at(krun, c - 1)
-    cont = (seen > 0) & (crun == last)
-    mine = (krun == last) & val
-    ref = jnp.sum(jnp.where((_iota(c) == c - 1)[:, None], kref, 0.0), axis=0)
-    new = jnp.maximum(ref, jnp.max(jnp.where(mine[:, None], lk, LOW), axis=0))
-    keep = jnp.exp(ref - new)
-    mk = jnp.where(mine[:, None], fk, 0.0)
-    t = (jnp.where(cont, t, 0.0) + dot(mk, wv, ta=True)) * keep[:, None]
-    z = (jnp.where(cont, z, 0.0) + jnp.sum(mk * w[:, None], axis=0)) * keep
-    seen = jnp.maximum(jnp.where(cont, seen, 0.0), jnp.max(jnp.where(mine, 1.0, 0.0)))
-    return (seen, jnp.where(seen > 0, new, LOW), last), t, z
+    last = _at(runs.k, c - 1)
+    cont = (carried.seen > 0) & (carried.run == last)
+    mine = (runs.k == last) & val
+    ref = jnp.sum(jnp.where((_iota(c) == c - 1)[:, None], x.kref, 0.0), axis=0)
+    tau = jnp.maximum(ref, jnp.max(jnp.where(mine[:, None], lk, LOW), axis=0))
+    keep = jnp.exp(ref - tau)
+    mk = jnp.where(mine[:, None], x.terms.fk, 0.0)
+    t = (jnp.where(cont, t, 0.0) + tools.dot(mk, wv, ta=True)) * keep[:, None]
+    z = (jnp.where(cont, z, 0.0) + jnp.sum(mk * x.terms.w[:, None], axis=0)) * keep
+    seen = jnp.maximum(jnp.where(cont, carried.seen, 0.0), jnp.max(jnp.where(mine, 1.0, 0.0)))
+    return Carried(seen, jnp.where(seen > 0, tau, LOW), last), t, z
 
 
-def _entering(tin_ref, rin_ref):
-    """The carry entering the call (seen, τ, its document's run): keys before the sequence (another device's
-    of a sharded one); τ LOW where none."""
-    tau = tin_ref[...]
-    return jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, _at(rin_ref[...], 0)
+def _entering(entering, run_ref):
+    """The carry entering the call: keys before the sequence (another device's of a sharded one); τ LOW
+    where none."""
+    tau = entering.tau[...]
+    return Carried(jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, _at(run_ref[...], 0))
 
 
-def _doc_chunk_inputs(dot, real, xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, rows, pq, cq,
-                      pk, ck):
-    val = val_ref[rows] > 0
-    lq = _log_features(dot, _load(xq_ref, rows), _load(rq_ref, rows), pq, cq, real)
-    lk = jnp.where(val[:, None], _log_features(dot, _load(xk_ref, rows), _load(rk_ref, rows), pk, ck, real), LOW)
-    return val, lq, lk, _load(v_ref, rows), qrun_ref[rows], krun_ref[rows]
+def _doc_inputs(tools, q, k, runs, qp, kp, rows):
+    """(val, lq, lk, v, the rows' `Runs`) of a chunk."""
+    val = _valid(k, rows)
+    lq, lk = _log_features(tools, q, qp, rows), _log_features(tools, k.map, kp, rows, val)
+    return val, lq, lk, _load(k.v, rows), Runs(runs.q[rows], runs.k[rows])
 
 
-def _doc_fwd_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
-                    ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, lden_ref, tau_ref, a_ref, *, c, f, precision):
-    """`_causal_fwd_kernel` with documents; tau_ref [N, F] keeps the τ entering each chunk (LOW: the carried
+def _doc_fwd_kernel(q: Side, k: Keys, runs: Runs, entering: State, run_ref, o_ref, lden_ref, refs_ref, a_ref, *,
+                    chunk, features, precision):
+    """`_causal_fwd_kernel` with documents; refs_ref [N, F] keeps the τ entering each chunk (LOW: the carried
     document has no valid key yet), which with the runs gives the backward pass every reference."""
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    dot, real = _tools(pk.shape[1], f, precision)
-    ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref)
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp, kp = _params(q), _params(k.map)
 
     def body(i, state):
-        carry, t, z = state
-        rows = _rows(i, c)
-        val, lq, lk, v, qrun, krun = _doc_chunk_inputs(dot, real, *ins, rows, pq, cq, pk, ck)
-        a, beta, fq, fk, w, mask, reads, kref = _doc_terms(dot, real, lq, lk, val, qrun, krun, carry)
-        alpha = jnp.max(jnp.where(mask, a[None, :], LOW), axis=1)
-        alpha = jnp.where(reads, jnp.maximum(alpha, 0.0), alpha)
+        carried, t, z = state
+        rows = _rows(i, chunk)
+        val, lq, lk, v, r = _doc_inputs(tools, q, k, runs, qp, kp, rows)
+        x = _doc_terms(tools, lq, lk, val, r, carried)
+        y = x.terms
+        alpha = jnp.max(jnp.where(y.mask, y.a[None, :], LOW), axis=1)
+        alpha = jnp.where(x.reads, jnp.maximum(alpha, 0.0), alpha)
         has = alpha > 0.5 * LOW
         scale = jnp.exp(-jnp.where(has, alpha, 0.0))
-        wv = v * w[:, None]
-        s = jnp.where(mask, dot(fq, fk, tb=True), 0.0)
-        fc = jnp.where(reads[:, None], fq, 0.0)
-        num = (dot(fc, t) + dot(s, wv)) * scale[:, None]
-        den = (jnp.sum(fc * z[None, :], axis=1) + jnp.sum(s * w[None, :], axis=1)) * scale
+        wv = v * y.w[:, None]
+        s = jnp.where(y.mask, tools.dot(y.fq, y.fk, tb=True), 0.0)
+        fc = jnp.where(x.reads[:, None], y.fq, 0.0)
+        num = (tools.dot(fc, t) + tools.dot(s, wv)) * scale[:, None]
+        den = (jnp.sum(fc * z[None, :], axis=1) + jnp.sum(s * y.w[None, :], axis=1)) * scale
         o_ref[rows, :] = (num / linear.guard(den, True)[:, None]).astype(o_ref.dtype)
-        lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + beta, LOW)
-        tau_ref[i, :] = carry[1]
-        a_ref[rows] = a
-        return _doc_carry(dot, carry, t, z, lk, val, krun, kref, fk, wv, w)
+        lden_ref[rows] = jnp.where(has & (den > 0), jnp.log(jnp.maximum(den, 1e-37)) + alpha + y.beta, LOW)
+        refs_ref[i, :] = carried.tau
+        a_ref[rows] = y.a
+        return _doc_carry(tools, carried, t, z, lk, val, r, x, wv)
 
-    init = (_entering(tin_ref, rin_ref), sin_ref[...], zin_ref[...])
-    jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
-
-
-def _doc_chunk(dot, real, ins, pq, cq, pk, ck, i, c, crun):
-    """What both backward sweeps read of chunk i with documents: the forward pass's factors (its entering
-    carry from tau_ref and `crun`), r_i = exp(β_i − log den_i), g and δ_i = g_i·o_i − ∂/∂log den_i (the
-    bidirectional call combines two passes by their log-denominators, which therefore get cotangents)."""
-    xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref = ins
-    rows = _rows(i, c)
-    val, lq, lk, v, qrun, krun = _doc_chunk_inputs(dot, real, *ins[:8], rows, pq, cq, pk, ck)
-    tau = tau_ref[i, :]
-    carry = (jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, crun)
-    a, beta, fq, fk, w, mask, reads, kref = _doc_terms(dot, real, lq, lk, val, qrun, krun, carry)
-    lden = _load(lden_ref, rows)
-    r = jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
-    g = _load(g_ref, rows)
-    delta = jnp.sum(g * _load(o_ref, rows), axis=1) - _load(gl_ref, rows)
-    return rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta
+    init = (_entering(entering, run_ref), entering.t[...], entering.z[...])
+    jax.lax.fori_loop(0, _chunks(k.valid, chunk), body, init)
 
 
-def _doc_dq_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
-                   ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxq_ref,
-                   drq_ref, *, c, f, precision):
+class DocChunk(NamedTuple):
+    """What both document backward sweeps read of one chunk (`Chunk` with documents): the carry it entered
+    with, rebuilt from the saved τ and the run, and its `DocTerms`."""
+    rows: Any
+    val: Any
+    lk: Any
+    v: Any
+    runs: Runs
+    carried: Carried
+    x: DocTerms
+    r: Any
+    g: Any
+    delta: Any
+
+
+def _doc_chunk(tools, q, k, runs, fwd, qp, kp, i, run):
+    rows = _rows(i, tools.chunk)
+    val, lq, lk, v, r = _doc_inputs(tools, q, k, runs, qp, kp, rows)
+    tau = fwd.refs[i, :]
+    carried = Carried(jnp.max(jnp.where(tau > 0.5 * LOW, 1.0, 0.0)), tau, run)
+    x = _doc_terms(tools, lq, lk, val, r, carried)
+    return DocChunk(rows, val, lk, v, r, carried, x, *_backward_rows(fwd, rows, x.terms.beta, lden_cotangent=True))
+
+
+def _doc_dq_kernel(q: Side, k: Keys, runs: Runs, entering: State, run_ref, fwd: Forward, dx_ref, drow_ref, *,
+                   chunk, features, precision):
     """∂l_q in sequence order, the carried state rebuilt as the forward pass built it."""
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    dot, real = _tools(pk.shape[1], f, precision)
-    ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp, kp = _params(q), _params(k.map)
 
     def body(i, state):
-        crun, t, z = state
-        rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta = _doc_chunk(
-            dot, real, ins, pq, cq, pk, ck, i, c, crun)
-        wv = v * w[:, None]
-        m = jnp.where(mask, dot(g, wv, tb=True) - delta[:, None] * w[None, :], 0.0)
-        held = jnp.where(reads[:, None], dot(g, t, tb=True) - delta[:, None] * z[None, :], 0.0)
-        dlq = fq * r[:, None] * (held + dot(m, fk))
-        dxq_ref[rows, :] = dot(dlq, pq, tb=True)
-        drq_ref[rows] = jnp.sum(dlq, axis=1)
-        (_, _, crun), t, z = _doc_carry(dot, carry, t, z, lk, val, krun, kref, fk, wv, w)
-        return crun, t, z
+        run, t, z = state
+        ch = _doc_chunk(tools, q, k, runs, fwd, qp, kp, i, run)
+        y = ch.x.terms
+        wv = ch.v * y.w[:, None]
+        m = jnp.where(y.mask, tools.dot(ch.g, wv, tb=True) - ch.delta[:, None] * y.w[None, :], 0.0)
+        held = jnp.where(ch.x.reads[:, None], tools.dot(ch.g, t, tb=True) - ch.delta[:, None] * z[None, :], 0.0)
+        dlq = y.fq * ch.r[:, None] * (held + tools.dot(m, y.fk))
+        dx_ref[ch.rows, :] = tools.dot(dlq, qp[0], tb=True)
+        drow_ref[ch.rows] = jnp.sum(dlq, axis=1)
+        carried, t, z = _doc_carry(tools, ch.carried, t, z, ch.lk, ch.val, ch.runs, ch.x, wv)
+        return carried.run, t, z
 
-    init = (_entering(tin_ref, rin_ref)[2], sin_ref[...], zin_ref[...])
-    jax.lax.fori_loop(0, _chunks(val_ref, c), body, init)
+    init = (_entering(entering, run_ref).run, entering.t[...], entering.z[...])
+    jax.lax.fori_loop(0, _chunks(k.valid, chunk), body, init)
 
 
-def _doc_dk_kernel(xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, pq_ref, cq_ref, pk_ref,
-                   ck_ref, tin_ref, sin_ref, zin_ref, rin_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref, dxk_ref,
-                   drk_ref, dv_ref, ug_ref, ud_ref, *, c, f, precision):
+def _doc_dk_kernel(q: Side, k: Keys, runs: Runs, entering: State, run_ref, fwd: Forward, dx_ref, drow_ref, dv_ref,
+                   u_ref, d_ref, *, chunk, features, precision):
     """∂l_k and ∂v in reverse. Entering chunk i, U = Σ exp(l_q(i') + ρ − log den_i')[g_i', −δ_i'] over the
     queries of later chunks in the document of chunk i's last slot, on ρ = the τ entering chunk i + 1 (that
     document's maximum through chunk i, which bounds its keys here); only that document's keys read it.
     What is left after chunk 0 is U of the entering carry's document on its τ: the carry's (T, z)
-    cotangent (ug_ref, ud_ref)."""
-    pq, cq, pk, ck = pq_ref[...], cq_ref[...], pk_ref[...], ck_ref[...]
-    dot, real = _tools(pk.shape[1], f, precision)
-    ins = (xq_ref, rq_ref, xk_ref, rk_ref, v_ref, val_ref, qrun_ref, krun_ref, o_ref, g_ref, gl_ref, lden_ref, tau_ref)
-    n = _chunks(val_ref, c)
+    cotangent (u_ref, d_ref)."""
+    tools = _tools(q.proj.shape[1], features, precision, chunk)
+    qp, kp = _params(q), _params(k.map)
+    n = _chunks(k.valid, chunk)
+    first_run = _entering(entering, run_ref).run
 
-    def body(step, state):
-        ug, ud = state
+    def body(step, sums):
         i = n - 1 - step
         # the run of the previous chunk's last slot: the document carried into this chunk
-        crun = jnp.where(i > 0, _at(krun_ref[_rows(jnp.maximum(i - 1, 0), c)], c - 1), rin)
-        rows, val, lk, v, krun, carry, fq, fk, w, mask, reads, kref, r, g, delta = _doc_chunk(
-            dot, real, ins, pq, cq, pk, ck, i, c, crun)
-        rho = jnp.where(i + 1 < n, tau_ref[jnp.minimum(i + 1, n - 1), :], 0.0)
-        last = _at(krun, c - 1)
-        later = (krun == last) & val
-        ek = jnp.where(later[:, None] & real[None, :], jnp.exp(jnp.minimum(lk - rho[None, :], 0.0)), 0.0)
-        fr = fq * r[:, None]
-        b = jnp.where(mask, dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
-        s = jnp.where(mask, dot(fq, fk, tb=True), 0.0)
-        dlk = ek * (dot(v, ug, tb=True) + ud[None, :]) + fk * w[:, None] * dot(b, fr, ta=True)
-        dv_ref[rows, :] = (dot(ek, ug) + w[:, None] * dot(s, g * r[:, None], ta=True)).astype(dv_ref.dtype)
-        dxk_ref[rows, :] = dot(dlk, pk, tb=True)
-        drk_ref[rows] = jnp.sum(dlk, axis=1)
+        run = jnp.where(i > 0, _at(runs.k[_rows(jnp.maximum(i - 1, 0), chunk)], chunk - 1), first_run)
+        ch = _doc_chunk(tools, q, k, runs, fwd, qp, kp, i, run)
+        y = ch.x.terms
+        rho = jnp.where(i + 1 < n, fwd.refs[jnp.minimum(i + 1, n - 1), :], 0.0)
+        last = _at(ch.runs.k, chunk - 1)
+        later = (ch.runs.k == last) & ch.val
+        ek = jnp.where(later[:, None] & tools.real[None, :], jnp.exp(jnp.minimum(ch.lk - rho[None, :], 0.0)), 0.0)
+        fr = y.fq * ch.r[:, None]
+        b = jnp.where(y.mask, tools.dot(ch.g, ch.v, tb=True) - ch.delta[:, None], 0.0)          # [i, j]
+        s = jnp.where(y.mask, tools.dot(y.fq, y.fk, tb=True), 0.0)
+        dlk = ek * (tools.dot(ch.v, sums.u, tb=True) + sums.d[None, :]) + y.fk * y.w[:, None] * tools.dot(
+            b, fr, ta=True)
+        dv_ref[ch.rows, :] = (tools.dot(ek, sums.u) + y.w[:, None] * tools.dot(s, ch.g * ch.r[:, None], ta=True)
+                              ).astype(dv_ref.dtype)
+        dx_ref[ch.rows, :] = tools.dot(dlk, kp[0], tb=True)
+        drow_ref[ch.rows] = jnp.sum(dlk, axis=1)
         # for chunk i − 1's keys: the queries here of the document carried into this chunk (on its entering τ),
         # and the later ones if that document spans this whole chunk
-        keep = jnp.where(crun == last, jnp.exp(jnp.minimum(carry[1] - rho, 0.0)), 0.0)
-        fc = jnp.where(reads[:, None], fr, 0.0)
-        return (ug * keep[:, None] + dot(fc, g, ta=True), ud * keep - jnp.sum(fc * delta[:, None], axis=0))
+        keep = jnp.where(run == last, jnp.exp(jnp.minimum(ch.carried.tau - rho, 0.0)), 0.0)
+        fc = jnp.where(ch.x.reads[:, None], fr, 0.0)
+        return Sums(sums.u * keep[:, None] + tools.dot(fc, ch.g, ta=True),
+                    sums.d * keep - jnp.sum(fc * ch.delta[:, None], axis=0))
 
-    rin = _entering(tin_ref, rin_ref)[2]
-    ug, ud = jax.lax.fori_loop(0, n, body, (jnp.zeros(ug_ref.shape, F32), jnp.zeros(ud_ref.shape, F32)))
-    ug_ref[...] = ug
-    ud_ref[...] = ud
+    init = Sums(jnp.zeros(u_ref.shape, F32), jnp.zeros(d_ref.shape, F32))
+    u_ref[...], d_ref[...] = jax.lax.fori_loop(0, n, body, init)
 
 
-def _doc_inputs(ops):
+def _doc_operands(ops):
+    """The document kernels' inputs: the query side, the keys, the runs, the entering state and its run."""
     xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin = ops
-    return [(xq, "rows"), (rq, "rows"), (xk, "rows"), (rk, "rows"), (v, "rows"), (val, "valid"), (qrun, "valid"),
-            (krun, "valid"), (pq, "proj"), (cq, "const"), (pk, "proj"), (ck, "const"), (tin, "feat"),
-            (sin, "feat_cols"), (zin, "feat"), (rin, "row_one")]
+    return [_side(xq, rq, pq, cq), _keys(xk, rk, pk, ck, v, val), Runs(Op(qrun, "valid"), Op(krun, "valid")),
+            State(Op(tin, "feat"), Op(sin, "feat_cols"), Op(zin, "feat")), Op(rin, "row_one")]
 
 
 def _doc_forward(ops, plan):
@@ -843,9 +964,9 @@ def _doc_forward(ops, plan):
     g = f // plan.block
     outs = [((b, h, g, l, dv), "block"), ((b, h, g, l), "block"), ((b, h, l // plan.chunk, f), "chunk_feat"),
             ((b, h, g, l), "block")]
-    o, lden, taus, excess = _call(_doc_fwd_kernel, _doc_inputs(ops), outs, (b, h, g, 1), plan)
+    o, lden, refs, excess = _call(_doc_fwd_kernel, _doc_operands(ops), outs, (b, h, g, 1), plan)
     out, lden = combine_blocks(o, lden)
-    return out, lden, taus, jnp.max(excess, axis=2)
+    return out, lden, refs, jnp.max(excess, axis=2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(16,))
@@ -860,18 +981,19 @@ def _doc_core(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin,
 
 def _doc_core_fwd(xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin, plan):
     ops = (xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin)
-    out, lden, taus, excess = _doc_forward(ops, plan)
-    return (out, lden, excess), (ops, out, lden, taus)
+    out, lden, refs, excess = _doc_forward(ops, plan)
+    return (out, lden, excess), (ops, out, lden, refs)
 
 
 def _doc_core_bwd(plan, residuals, cotangents):
-    ops, out, lden, taus = residuals
+    ops, out, lden, refs = residuals
     g, gl = cotangents[0].astype(F32), cotangents[1].astype(F32)
     xq, rq, xk, rk, v, val, qrun, krun, pq, cq, pk, ck, tin, sin, zin, rin = ops
     b, h, l, dq = xq.shape
     dk, dv, f = xk.shape[3], v.shape[-1], pq.shape[-1]
     nb = f // plan.block
-    inputs = _doc_inputs(ops) + [(out, "rows"), (g, "rows"), (gl, "rows"), (lden, "rows"), (taus, "chunk_feat")]
+    fwd = Forward(Op(out, "rows"), Op(g, "rows"), Op(lden, "rows"), Op(refs, "chunk_feat"), Op(gl, "rows"))
+    inputs = _doc_operands(ops) + [fwd]
     call = functools.partial(_call, inputs=inputs, grid=(b, h, nb, 1), plan=plan)
     dxq, drq = call(_doc_dq_kernel, outs=[((b, h, nb, l, dq), "block"), ((b, h, nb, l), "block")])
     dxk, drk, dvv, dsin, dzin = call(_doc_dk_kernel, outs=[
@@ -1073,7 +1195,8 @@ def prefill(xk, rk, pk, ck, v, valid=None, interpret=None, segments=None, precis
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lkp, fp)
     v, valid = _padded_values(v, valid, lkp)
     ops = tuple(jax.lax.stop_gradient(a) for a in (xk, rk, v, valid, pk, ck))
-    states = _call(_key_state_kernel, _key_inputs(*ops), _state_outs(b, h, seg, fp, v.shape[-1]),
+    xk, rk, v, valid, pk, ck = ops
+    states = _call(_key_state_kernel, [_keys(xk, rk, pk, ck, v, valid)], _state_outs(b, h, seg, fp, v.shape[-1]),
                    (b, h, fp // plan.block, seg), plan)
     tau, t, z = _total(*states)
     tau, t, z = tau[..., :f], t[..., :f, :dv], z[..., :f]

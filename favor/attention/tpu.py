@@ -1,0 +1,641 @@
+"""Random-feature attention kernels for TPUs: the passes of favor.attention.fused, written for Mosaic (Pallas' TPU
+lowering) instead of Triton. Same contract (`attend`), same maps, math and stabilisers; read fused.py's docstring
+for them. In brief: each feature map is a log-linear form log φ(u) = u·P + c + r(u); for a block of features a
+program forms the [chunk, F] log-features of its rows in VMEM and never writes an [L, F] array.
+
+- bidirectional: a key pass with a running per-feature maximum τ (the state T = Σ_j exp(l_k(j) − τ)[v_j, 1]
+  rescaled whenever τ grows), then a query pass with exp(l_q(i) + τ − β_i), β_i = max_f(l_q(i, f) + τ_f).
+- causal: the chunk form, chunk after chunk: a reference τ0 per chunk (the carried τ, or the chunk's first valid
+  key before any key was seen), a_j = max_f(l_k(j, f) − τ0_f), key weights e^min(a_j, EXCEEDANCE), a divisor
+  α_i = max_{j ≤ i} a_j (≥ 0 once a key came before the chunk), the in-chunk part a masked [c, c] product and
+  the earlier chunks through the carried state. Every a_j is written out; `attend` flags the rows at or after
+  a key whose a_j exceeds EXCEEDANCE (the caller takes those rows from its exact path).
+- backward: a custom VJP with kernels of its own, the stabilisers constants. With h_i = [g_i, −g_i·o_i]/den_i,
+  ∂l_q(i) = φ_q(i) Σ_{j≤i} φ_k(j)[v_j, 1]·h_i, ∂l_k(j) = φ_k(j)[v_j, 1]·Σ_{i≥j} φ_q(i) h_i and ∂v_j likewise:
+  causal, a forward sweep from the prefix state (∂l_q) and a reverse sweep with the suffix sums U (∂l_k, ∂v);
+  bidirectional, a query sweep that also sums U, then every key chunk in parallel. P and c get no gradient.
+
+How Mosaic runs it
+------------------
+Grid (B, H, G, N): batch, head, block of `block` features, chunk of `chunk` rows. The first three are "parallel"
+(megacore may split them); N is "arbitrary" (sequential, the last and fastest axis) where a kernel carries a
+state from chunk to chunk, and the carry lives in VMEM scratch (`pltpu.VMEM`), set at the first chunk
+(`pl.when(pl.program_id(3) == 0)`). Each program sees 2-D blocks, the batch/head/block dims squeezed (`None`):
+  rows         [B, H, L, X] -> [chunk, X]       inputs x [., D'], values [., Dv'], r and log-denominator [., 1]
+  mask         [B, L, 1]    -> [chunk, 1]       which keys are valid (0/1)
+  feat         [B', H', X, F'] -> [X, block]    P [D', F'], c [1, F'], the state τ [1, F'], S [Dv', F'], z [1, F']
+  block_rows   [B, H, G, L, X] -> [chunk, X]    per-feature-block outputs (summed / combined by the wrapper)
+  chunk_feat   [B, H, N, 1, F'] -> [1, block]   each chunk's reference τ0 (causal)
+Every block's last two dims are multiples of (8, 128) or the array's own: D, Dv and F are padded to multiples of
+128 lanes (D', Dv', F'; zero inputs and projections, exact), chunks are multiples of 8 rows (of 128 when L
+allows, so the [chunk, chunk] tiles fill the lanes). A padded feature is masked by its index (`_real`), never by
+a value it holds: it sets no maximum and weighs nothing.
+
+Layouts that keep Mosaic on its well-trodden paths: a per-row vector (r, log-denominator, a_j, β, δ) is a
+[chunk, 1] column and a per-feature vector (τ, z, c) a [1, block] row, every reduction keeps its dims; the
+state is stored transposed, S = Tᵀ [Dv', block] (and the backward sums U likewise), so a per-feature rescale is
+a row broadcast. The products are NN or NT (`dot_general` contracting the last dims, the MXU's native forms);
+the two TN products (state updates Sᵀ += vᵀ·f) transpose their [chunk, Dv'] operand explicitly (`.T`, as
+Pallas' TPU flash attention does). A per-key column needed as a row ([1, chunk], to weigh the columns of a
+[chunk, chunk] tile) is taken off the diagonal by a masked reduction (`_as_row`), exact, with no transpose of
+a [chunk, 1] vector.
+
+Precision (a static `Plan` field, as in fused.py): interpret mode (CPU) runs Precision.HIGHEST. On a TPU the
+fused.PRECISIONS name maps to what Mosaic's matmul offers (MOSAIC_PRODUCTS): float32 operands at
+Precision.HIGHEST (contract precision fp32: float32-level products from several bf16 MXU passes) for "highest"
+and for "tf32x3" (Mosaic has no three-pass preset; the GPU default asks for float32-level products, which this
+is), and bf16 operands with float32 accumulation (one MXU pass) for "bf16".
+
+Not written yet: packed documents (`runs`), segments of the sequence (one program walks the whole sequence),
+prefill. Chunk and feature block are unmeasured defaults (TUNING).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from favor.attention import linear
+from favor.attention.fused import EXCEEDANCE, LOW, PRECISION, PRECISIONS, combine_blocks, feature_params
+
+F32 = jnp.float32
+LANES = 128       # a vreg's lanes: D, Dv and F pad to multiples of it
+SUBLANES = 8      # a vreg's sublanes: chunks are multiples of it
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# The kernels' products on a TPU by fused.PRECISIONS name: "fp32" = float32 operands at Precision.HIGHEST,
+# "bf16" = bf16 operands, float32 accumulation. Interpret mode always runs "fp32".
+MOSAIC_PRODUCTS = {"highest": "fp32", "tf32x3": "fp32", "bf16": "bf16"}
+
+# (tokens per chunk, features per block) by mode: unmeasured starting points (no TPU measurement yet). A causal
+# chunk of 128 fills the lanes of the [chunk, chunk] in-chunk tile; the bidirectional passes have no such tile.
+TUNING = {"causal": (128, 256), "bidirectional": (256, 256)}
+
+
+# -- operand groups ----------------------------------------------------------------------------------------
+# pallas_call takes pytrees of operands and of BlockSpecs and hands the kernel its refs in the same structure.
+# Each group names the layout (`_spec`) of its fields in `kinds`.
+class Map(NamedTuple):
+    """One side's log-linear map log φ = x·P + c + r: rows x [c, D'] and r [c, 1]; P [D', block], c [1, block]."""
+    x: Any
+    r: Any
+    p: Any
+    c: Any
+    kinds = ("rows", "rows", "feat", "feat")
+
+
+class Values(NamedTuple):
+    """The keys' values v [c, Dv'] and their mask [c, 1] (1: a valid key)."""
+    v: Any
+    valid: Any
+    kinds = ("rows", "mask")
+
+
+class State(NamedTuple):
+    """A key state on its reference τ [1, block]: S = Tᵀ = Σ_j v_j exp(l_k(j) − τ)ᵀ [Dv', block], z [1, block]."""
+    tau: Any
+    s: Any
+    z: Any
+    kinds = ("feat", "feat", "feat")
+
+
+class Carry(NamedTuple):
+    """The causal forward pass's carry (VMEM scratch): whether a valid key came before [1, 1], and the State."""
+    seen: Any
+    tau: Any
+    s: Any
+    z: Any
+
+
+class Sums(NamedTuple):
+    """The query sums of the key gradients, U = Σ_i exp(l_q(i) + ρ − log den_i)[g_i, −δ_i] on a reference ρ,
+    stored as ug = [Dv', block] (the g part, transposed) and ud [1, block]."""
+    ug: Any
+    ud: Any
+    kinds = ("feat", "feat")
+
+
+class Rows(NamedTuple):
+    """A forward pass's outputs for its feature block: o [c, Dv'] normalised over the block, log-denominator [c, 1]."""
+    o: Any
+    lden: Any
+    kinds = ("block_rows", "block_rows")
+
+
+class CausalRows(NamedTuple):
+    """The causal forward pass's outputs: Rows, each chunk's reference τ0 [1, block] and each key's a_j [c, 1]."""
+    o: Any
+    lden: Any
+    tau: Any
+    a: Any
+    kinds = ("block_rows", "block_rows", "chunk_feat", "block_rows")
+
+
+class Tau(NamedTuple):
+    """The key reference τ [1, block] alone."""
+    tau: Any
+    kinds = ("feat",)
+
+
+class Cotangent(NamedTuple):
+    """What the backward passes read of the forward pass, per row: the output o [c, Dv'] and its cotangent g, and
+    the log-denominator over all features [c, 1]."""
+    o: Any
+    g: Any
+    lden: Any
+    kinds = ("rows", "rows", "rows")
+
+
+class References(NamedTuple):
+    """The causal backward's references: the chunk's τ0 and the next chunk's (ρ of the reverse sweep; the last
+    chunk its own)."""
+    tau: Any
+    rho: Any
+    kinds = ("chunk_feat", "chunk_feat")
+
+
+class InputGrads(NamedTuple):
+    """∂/∂x [c, D'] and ∂/∂r [c, 1] of one side's map (this feature block's share)."""
+    dx: Any
+    dr: Any
+    kinds = ("block_rows", "block_rows")
+
+
+class KeyGrads(NamedTuple):
+    dx: Any
+    dr: Any
+    dv: Any
+    kinds = ("block_rows", "block_rows", "block_rows")
+
+
+class Plan(NamedTuple):
+    """How a call is cut and run, static: rows per chunk, features per block, the map's own feature count (the
+    padded width past it holds no feature), interpret mode, and the products (MOSAIC_PRODUCTS' "fp32"/"bf16")."""
+    chunk: int
+    block: int
+    features: int
+    interpret: bool
+    products: str
+
+
+# -- in-kernel tools ---------------------------------------------------------------------------------------
+class Products(NamedTuple):
+    """The kernel's matrix products at the plan's precision: a·b, a·bᵀ and aᵀ·b, float32 results."""
+    nn: Any
+    nt: Any
+    tn: Any
+
+
+def _products(products):
+    if products == "bf16":
+        cast = lambda a: a.astype(jnp.bfloat16)
+        precision = None
+    else:
+        cast = lambda a: a
+        precision = HIGHEST
+
+    nn = lambda a, b: jax.lax.dot_general(cast(a), cast(b), (((1,), (0,)), ((), ())), precision=precision,
+                                          preferred_element_type=F32)
+    nt = lambda a, b: jax.lax.dot_general(cast(a), cast(b), (((1,), (1,)), ((), ())), precision=precision,
+                                          preferred_element_type=F32)
+    return Products(nn, nt, lambda a, b: nn(a.T, b))
+
+
+def _iota(shape, dim):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _real(plan):
+    """[1, block]: which features of the program's block are the map's own (the first `features` of F')."""
+    return pl.program_id(2) * plan.block + _iota((1, plan.block), 1) < plan.features
+
+
+def _log_features(mm, side, real):
+    """[c, D'] rows -> [c, block] log-features x·P + c + r; LOW in the padded features."""
+    return jnp.where(real, mm.nn(side.x[...], side.p[...]) + side.c[...] + side.r[...], LOW)
+
+
+def _key_features(mm, keys, values, real):
+    """The keys' log-features (LOW for padded keys and features) and their validity [c, 1]."""
+    valid = values.valid[...] > 0
+    return jnp.where(valid, _log_features(mm, keys, real), LOW), valid
+
+
+def _as_row(col):
+    """[c, 1] -> [1, c], exactly: the diagonal of the column broadcast over the lanes, summed over the sublanes."""
+    c = col.shape[0]
+    return jnp.sum(jnp.where(_iota((c, c), 0) == _iota((c, c), 1), col, 0.0), axis=0, keepdims=True)
+
+
+def _guard(den):
+    """An exact 0 (no valid key, or no feature mass) divides as 1: the row outputs 0 with finite gradients."""
+    return jnp.maximum(jnp.where(den == 0, 1.0, den), linear.TINY)
+
+
+def _log_den(den, shift):
+    return jnp.where(den > 0, jnp.log(jnp.maximum(den, 1e-37)) + shift, LOW)
+
+
+def _at_first_chunk(init):
+    pl.when(pl.program_id(3) == 0)(init)
+
+
+def _at_last_chunk(finish):
+    pl.when(pl.program_id(3) == pl.num_programs(3) - 1)(finish)
+
+
+def _start_state(state):
+    state.tau[...] = jnp.full(state.tau.shape, LOW, F32)
+    state.s[...] = jnp.zeros(state.s.shape, F32)
+    state.z[...] = jnp.zeros(state.z.shape, F32)
+
+
+def _start_sums(sums):
+    sums.ug[...] = jnp.zeros(sums.ug.shape, F32)
+    sums.ud[...] = jnp.zeros(sums.ud.shape, F32)
+
+
+def _ratio_to_den(beta, lden):
+    """r_i = exp(β_i − log den_i) (0 for a row with no key). β_i ≤ log den_i wherever the pass is exact; the clamp
+    keeps r finite in a causal row beyond the bound (taken from the exact path; its cotangent here is 0)."""
+    return jnp.exp(jnp.where(lden > 0.5 * LOW, jnp.minimum(beta - lden, 0.0), LOW))
+
+
+# -- bidirectional -----------------------------------------------------------------------------------------
+def _key_state_kernel(keys, values, out, carry, *, plan):
+    """(τ, S, z) over every key: the running per-feature maximum τ (LOW where no valid key) and
+    S = Σ_j v_j exp(l_k(j) − τ)ᵀ, z = Σ_j exp(l_k(j) − τ), every factor ≤ 1."""
+    mm, real = _products(plan.products), _real(plan)
+    _at_first_chunk(lambda: _start_state(carry))
+    lk, valid = _key_features(mm, keys, values, real)
+    tau = carry.tau[...]
+    new = jnp.maximum(tau, jnp.max(lk, axis=0, keepdims=True))
+    keep = jnp.exp(tau - new)
+    fk = jnp.where(valid & real, jnp.exp(lk - new), 0.0)
+    carry.s[...] = carry.s[...] * keep + mm.tn(values.v[...], fk)
+    carry.z[...] = carry.z[...] * keep + jnp.sum(fk, axis=0, keepdims=True)
+    carry.tau[...] = new
+
+    def finish():
+        out.tau[...], out.s[...], out.z[...] = carry.tau[...], carry.s[...], carry.z[...]
+    _at_last_chunk(finish)
+
+
+def _query_factors(mm, queries, tau, real):
+    """β_i = max_f(l_q(i, f) + τ_f) [c, 1] and fq = exp(l_q + τ − β) [c, block] (≤ 1, 1 where β is reached)."""
+    lq = _log_features(mm, queries, real)
+    beta = jnp.max(lq + tau, axis=1, keepdims=True)
+    return beta, jnp.exp(lq + tau - beta)
+
+
+def _bidir_fwd_kernel(queries, state, out, *, plan):
+    """A query chunk against the state of every key: the denominator is ≥ 1 on β's scale."""
+    mm, real = _products(plan.products), _real(plan)
+    beta, fq = _query_factors(mm, queries, state.tau[...], real)
+    den = jnp.sum(fq * state.z[...], axis=1, keepdims=True)
+    out.o[...] = mm.nt(fq, state.s[...]) / _guard(den)
+    out.lden[...] = _log_den(den, beta)
+
+
+def _bidir_dq_kernel(queries, fwd, state, out, sums_out, sums, *, plan):
+    """∂l_q = fr·(g·T − δ z) with fr = exp(l_q + τ − log den), and the sums U = Σ_i fr_i [g_i, −δ_i] over every
+    query (on the key reference τ), which the key kernel reads."""
+    mm, real = _products(plan.products), _real(plan)
+    _at_first_chunk(lambda: _start_sums(sums))
+    beta, fq = _query_factors(mm, queries, state.tau[...], real)
+    fr = fq * _ratio_to_den(beta, fwd.lden[...])
+    g = fwd.g[...]
+    delta = jnp.sum(g * fwd.o[...], axis=1, keepdims=True)
+    dlq = fr * (mm.nn(g, state.s[...]) - delta * state.z[...])
+    out.dx[...] = mm.nt(dlq, queries.p[...])
+    out.dr[...] = jnp.sum(dlq, axis=1, keepdims=True)
+    sums.ug[...] += mm.tn(g, fr)
+    sums.ud[...] -= jnp.sum(fr * delta, axis=0, keepdims=True)
+
+    def finish():
+        sums_out.ug[...], sums_out.ud[...] = sums.ug[...], sums.ud[...]
+    _at_last_chunk(finish)
+
+
+def _bidir_dk_kernel(keys, values, tau, sums, out, *, plan):
+    """∂l_k = ek·(v·U_g + U_d), ∂v = ek·U_gᵀ with ek = exp(l_k − τ) ≤ 1: every key chunk on its own."""
+    mm, real = _products(plan.products), _real(plan)
+    lk, valid = _key_features(mm, keys, values, real)
+    ek = jnp.where(valid & real, jnp.exp(jnp.minimum(lk - tau.tau[...], 0.0)), 0.0)
+    ug = sums.ug[...]
+    dlk = ek * (mm.nn(values.v[...], ug) + sums.ud[...])
+    out.dv[...] = mm.nt(ek, ug)
+    out.dx[...] = mm.nt(dlk, keys.p[...])
+    out.dr[...] = jnp.sum(dlk, axis=1, keepdims=True)
+
+
+# -- causal ------------------------------------------------------------------------------------------------
+class Chunk(NamedTuple):
+    """A chunk's stabilised factors on its reference τ0 (fused._causal_terms): a_j [c, 1] (LOW for padding),
+    β_i [c, 1], fq = exp(l_q + τ0 − β), fk = exp(l_k − τ0 − a) (0 for padded keys and features), key weights
+    w = e^min(a, EXCEEDANCE) [c, 1] and as a row [1, c], the mask j ≤ i [c, c]; and l_k, valid, v."""
+    lk: Any
+    valid: Any
+    v: Any
+    a: Any
+    beta: Any
+    fq: Any
+    fk: Any
+    w: Any
+    w_row: Any
+    a_row: Any
+    tri: Any
+
+
+def _reference(lk, valid, seen, tau):
+    """τ0 [1, block]: the carried τ once a valid key came before, else the chunk's first valid key (every query
+    that sees a key sees that one); zeros while no key at all (unused then)."""
+    c = lk.shape[0]
+    idx = _iota((c, 1), 0).astype(F32)
+    first = jnp.min(jnp.where(valid, idx, float(c)), axis=0, keepdims=True)
+    anchor = jnp.sum(jnp.where(idx == first, lk, 0.0), axis=0, keepdims=True)
+    return jnp.where(seen, tau, anchor)
+
+
+def _chunk(mm, queries, keys, values, tau0, real, lk=None, valid=None):
+    if lk is None:
+        lk, valid = _key_features(mm, keys, values, real)
+    lq = _log_features(mm, queries, real)
+    c = lk.shape[0]
+    a = jnp.where(valid, jnp.max(jnp.where(real, lk - tau0, LOW), axis=1, keepdims=True), LOW)
+    beta = jnp.max(lq + tau0, axis=1, keepdims=True)
+    fk = jnp.where(valid & real, jnp.exp(lk - tau0 - a), 0.0)
+    fq = jnp.exp(lq + tau0 - beta)
+    w = jnp.where(valid, jnp.exp(jnp.minimum(a, EXCEEDANCE)), 0.0)
+    a_row = _as_row(a)
+    w_row = jnp.exp(jnp.minimum(a_row, EXCEEDANCE))            # a padded key's a_j = LOW: weight 0
+    tri = _iota((c, c), 0) >= _iota((c, c), 1)
+    return Chunk(lk, valid, values.v[...], a, beta, fq, fk, w, w_row, a_row, tri)
+
+
+def _advance(mm, ch, tau0, s, z):
+    """The state after the chunk's keys, on the new running maximum max(τ0, max_j l_k(j))."""
+    new = jnp.maximum(tau0, jnp.max(ch.lk, axis=0, keepdims=True))
+    keep = jnp.exp(tau0 - new)
+    return new, (s + mm.tn(ch.v * ch.w, ch.fk)) * keep, (z + jnp.sum(ch.fk * ch.w, axis=0, keepdims=True)) * keep
+
+
+def _causal_fwd_kernel(queries, keys, values, out, carry, *, plan):
+    mm, real = _products(plan.products), _real(plan)
+
+    def start():
+        carry.seen[...] = jnp.zeros(carry.seen.shape, F32)
+        _start_state(carry)
+    _at_first_chunk(start)
+    seen = carry.seen[...] > 0
+    lk, valid = _key_features(mm, keys, values, real)
+    tau0 = _reference(lk, valid, seen, carry.tau[...])
+    ch = _chunk(mm, queries, keys, values, tau0, real, lk, valid)
+    # α_i = max(0 if a key came before the chunk, max_{j ≤ i} a_j): the row's own causal divisor
+    alpha = jnp.max(jnp.where(ch.tri, ch.a_row, LOW), axis=1, keepdims=True)
+    alpha = jnp.where(seen, jnp.maximum(alpha, 0.0), alpha)
+    has = alpha > 0.5 * LOW
+    scale = jnp.exp(-jnp.where(has, alpha, 0.0))
+    s = jnp.where(ch.tri, mm.nt(ch.fq, ch.fk), 0.0)
+    num = (mm.nt(ch.fq, carry.s[...]) + mm.nn(s, ch.v * ch.w)) * scale
+    den = (jnp.sum(ch.fq * carry.z[...], axis=1, keepdims=True) + jnp.sum(s * ch.w_row, axis=1, keepdims=True)) * scale
+    out.o[...] = num / _guard(den)
+    # log of the true denominator Σ_j φ_q(i)·φ_k(j): what the backward pass divides by
+    out.lden[...] = jnp.where(has, _log_den(den, alpha + ch.beta), LOW)
+    out.tau[...] = tau0
+    out.a[...] = ch.a
+    carry.tau[...], carry.s[...], carry.z[...] = _advance(mm, ch, tau0, carry.s[...], carry.z[...])
+    carry.seen[...] = jnp.maximum(carry.seen[...], jnp.max(jnp.where(valid, 1.0, 0.0), axis=0, keepdims=True))
+
+
+def _causal_dq_kernel(queries, keys, values, fwd, refs, out, state, *, plan):
+    """∂l_q in sequence order from the prefix state, rebuilt chunk by chunk as the forward pass built it."""
+    mm, real = _products(plan.products), _real(plan)
+    _at_first_chunk(lambda: _start_state(state))
+    tau0 = refs.tau[...]
+    ch = _chunk(mm, queries, keys, values, tau0, real)
+    r = _ratio_to_den(ch.beta, fwd.lden[...])
+    g = fwd.g[...]
+    delta = jnp.sum(g * fwd.o[...], axis=1, keepdims=True)
+    m = jnp.where(ch.tri, mm.nt(g, ch.v * ch.w) - delta * ch.w_row, 0.0)
+    dlq = ch.fq * r * (mm.nn(g, state.s[...]) - delta * state.z[...] + mm.nn(m, ch.fk))
+    out.dx[...] = mm.nt(dlq, queries.p[...])
+    out.dr[...] = jnp.sum(dlq, axis=1, keepdims=True)
+    _, state.s[...], state.z[...] = _advance(mm, ch, tau0, state.s[...], state.z[...])
+
+
+def _causal_dk_kernel(queries, keys, values, fwd, refs, out, sums, *, plan):
+    """∂l_k and ∂v in reverse (the grid's step i is chunk N − 1 − i): U = Σ over the later chunks' queries of
+    exp(l_q(i) + ρ − log den_i)[g_i, −δ_i] on ρ = the next chunk's reference, which bounds every key here."""
+    mm, real = _products(plan.products), _real(plan)
+    _at_first_chunk(lambda: _start_sums(sums))
+    tau0, rho = refs.tau[...], refs.rho[...]
+    ch = _chunk(mm, queries, keys, values, tau0, real)
+    r = _ratio_to_den(ch.beta, fwd.lden[...])
+    g = fwd.g[...]
+    delta = jnp.sum(g * fwd.o[...], axis=1, keepdims=True)
+    ek = jnp.where(ch.valid & real, jnp.exp(jnp.minimum(ch.lk - rho, 0.0)), 0.0)
+    fr = ch.fq * r
+    # the in-chunk terms with keys j along the sublanes and queries i along the lanes (no transposed tile):
+    # b_t[j, i] = g_i·v_j − δ_i and s_t[j, i] = fk_j·fq_i for j ≤ i
+    later = _iota(ch.tri.shape, 1) >= _iota(ch.tri.shape, 0)
+    b_t = jnp.where(later, mm.nt(ch.v, g) - _as_row(delta), 0.0)
+    s_t = jnp.where(later, mm.nt(ch.fk, ch.fq), 0.0)
+    ug, ud = sums.ug[...], sums.ud[...]
+    dlk = ek * (mm.nn(ch.v, ug) + ud) + ch.fk * ch.w * mm.nn(b_t, fr)
+    out.dv[...] = mm.nt(ek, ug) + ch.w * mm.nn(s_t, g * r)
+    out.dx[...] = mm.nt(dlk, keys.p[...])
+    out.dr[...] = jnp.sum(dlk, axis=1, keepdims=True)
+    keep = jnp.exp(jnp.minimum(tau0 - rho, 0.0))
+    sums.ug[...] = ug * keep + mm.tn(g, fr)
+    sums.ud[...] = ud * keep - jnp.sum(fr * delta, axis=0, keepdims=True)
+
+
+# -- calls -------------------------------------------------------------------------------------------------
+def _spec(kind, shape, plan, at):
+    """The BlockSpec of one operand over the grid (b, h, g, i); `at(i)`: the chunk of grid step i."""
+    c, fb = plan.chunk, plan.block
+    if kind == "rows":          # [B, H, L, X]
+        return pl.BlockSpec((None, None, c, shape[3]), lambda b, h, g, i: (b, h, at(i), 0))
+    if kind == "mask":          # [B, L, 1]
+        return pl.BlockSpec((None, c, 1), lambda b, h, g, i: (b, at(i), 0))
+    if kind == "feat":          # [B', H', X, F']: B', H' = 1 broadcast over the batch, the heads
+        pick = lambda n, k: k if n > 1 else 0
+        return pl.BlockSpec((None, None, shape[2], fb), lambda b, h, g, i: (pick(shape[0], b), pick(shape[1], h), 0, g))
+    if kind == "block_rows":    # [B, H, G, L, X]
+        return pl.BlockSpec((None, None, None, c, shape[4]), lambda b, h, g, i: (b, h, g, at(i), 0))
+    if kind == "chunk_feat":    # [B, H, N, 1, F']
+        return pl.BlockSpec((None, None, None, 1, fb), lambda b, h, g, i: (b, h, at(i), 0, g))
+    raise ValueError(kind)
+
+
+def _specs(group, plan, at):
+    """The group's BlockSpecs by its `kinds`; its fields arrays or (outputs) shapes."""
+    return type(group)(*(_spec(k, getattr(a, "shape", a), plan, at) for k, a in zip(group.kinds, group)))
+
+
+def _call(kernel, inputs, outs, grid, plan, *, scratch=(), sequential=True, reverse=False):
+    """pallas_call of kernel(*inputs, *outs, *scratch, plan=plan) over grid (B, H, G, N): inputs a tuple of
+    operand groups (arrays), outs a tuple of groups of output shapes (float32), scratch a tuple of groups of
+    VMEM shapes; the chunk axis N sequential ("arbitrary") or not, walked in reverse with `reverse`."""
+    n = grid[3]
+    at = (lambda i: n - 1 - i) if reverse else (lambda i: i)
+    out_shape = tuple(type(o)(*(jax.ShapeDtypeStruct(s, F32) for s in o)) for o in outs)
+    scratch_shapes = tuple(type(s)(*(pltpu.VMEM(shape, F32) for shape in s)) for s in scratch)
+    semantics = ("parallel",) * 3 + ("arbitrary" if sequential else "parallel",)
+    return pl.pallas_call(
+        functools.partial(kernel, plan=plan), grid=grid, out_shape=out_shape,
+        in_specs=tuple(_specs(group, plan, at) for group in inputs),
+        out_specs=tuple(_specs(o, plan, at) for o in outs),
+        scratch_shapes=scratch_shapes,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        interpret=pltpu.InterpretParams() if plan.interpret else False,
+    )(*inputs)
+
+
+def _state_shapes(b, h, fp, dvp):
+    return State((b, h, 1, fp), (b, h, dvp, fp), (b, h, 1, fp))
+
+
+def _state_scratch(fb, dvp):
+    return State((1, fb), (dvp, fb), (1, fb))
+
+
+def _forward(queries, keys, values, causal, plan):
+    """(out [B, H, Lq', Dv'], log-denominator [B, H, Lq', 1], what the backward pass reads, a_j [B, H, Lk']: each
+    key's excess over its chunk's reference (causal; LOW for padding and bidirectional calls))."""
+    b, h, lq, _ = queries.x.shape
+    lk, dvp, fp = keys.x.shape[2], values.v.shape[3], queries.p.shape[3]
+    c, fb = plan.chunk, plan.block
+    g = fp // fb
+    rows = lambda n, x: (b, h, g, n, x)
+    if causal:
+        n = lk // c
+        outs = CausalRows(rows(lq, dvp), rows(lq, 1), (b, h, n, 1, fp), rows(lk, 1))
+        o, lden, taus, excess = _call(_causal_fwd_kernel, (queries, keys, values), (outs,), (b, h, g, n), plan,
+                                      scratch=(Carry((1, 1), *_state_scratch(fb, dvp)),))[0]
+        out, lden = combine_blocks(o, lden[..., 0])
+        return out, lden[..., None], taus, jnp.max(excess[..., 0], axis=2)
+    state = _call(_key_state_kernel, (keys, values), (_state_shapes(b, h, fp, dvp),), (b, h, g, lk // c), plan,
+                  scratch=(_state_scratch(fb, dvp),))[0]
+    o, lden = _call(_bidir_fwd_kernel, (queries, state), (Rows(rows(lq, dvp), rows(lq, 1)),), (b, h, g, lq // c),
+                    plan, sequential=False)[0]
+    out, lden = combine_blocks(o, lden[..., 0])
+    return out, lden[..., None], state, jnp.full((b, h, lk), LOW, F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _core(queries, keys, values, causal, plan):
+    """(out, a_j) of the padded operands (the maps' P and c constants of the call: no gradient)."""
+    out, _, _, excess = _forward(queries, keys, values, causal, plan)
+    return out, excess
+
+
+def _core_fwd(queries, keys, values, causal, plan):
+    out, lden, saved, excess = _forward(queries, keys, values, causal, plan)
+    return (out, excess), ((queries, keys, values), out, lden, saved)
+
+
+def _core_bwd(causal, plan, residuals, cotangents):
+    (queries, keys, values), out, lden, saved = residuals
+    fwd = Cotangent(out, cotangents[0].astype(F32), lden)
+    b, h, lq, dp = queries.x.shape
+    lk, dkp, dvp, fp = keys.x.shape[2], keys.x.shape[3], values.v.shape[3], queries.p.shape[3]
+    c, fb = plan.chunk, plan.block
+    g = fp // fb
+    rows = lambda n, x: (b, h, g, n, x)
+    q_outs = InputGrads(rows(lq, dp), rows(lq, 1))
+    k_outs = KeyGrads(rows(lk, dkp), rows(lk, 1), rows(lk, dvp))
+    if causal:
+        taus = saved
+        refs = References(taus, jnp.concatenate([taus[:, :, 1:], taus[:, :, -1:]], axis=2))
+        grid = (b, h, g, lk // c)
+        inputs = (queries, keys, values, fwd, refs)
+        dq = _call(_causal_dq_kernel, inputs, (q_outs,), grid, plan, scratch=(_state_scratch(fb, dvp),))[0]
+        dk = _call(_causal_dk_kernel, inputs, (k_outs,), grid, plan, scratch=(Sums((dvp, fb), (1, fb)),),
+                   reverse=True)[0]
+    else:
+        state = saved
+        dq, sums = _call(_bidir_dq_kernel, (queries, fwd, state), (q_outs, Sums((b, h, dvp, fp), (b, h, 1, fp))),
+                         (b, h, g, lq // c), plan, scratch=(Sums((dvp, fb), (1, fb)),))
+        dk = _call(_bidir_dk_kernel, (keys, values, Tau(state.tau), sums), (k_outs,), (b, h, g, lk // c), plan,
+                   sequential=False)[0]
+    total = lambda a: jnp.sum(a, axis=2)            # the feature blocks' shares
+    dq, dk = InputGrads(*map(total, dq)), KeyGrads(*map(total, dk))
+    zero = jnp.zeros_like
+    return (Map(dq.dx, dq.dr, zero(queries.p), zero(queries.c)), Map(dk.dx, dk.dr, zero(keys.p), zero(keys.c)),
+            Values(dk.dv, zero(values.valid)))
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _round_up(n, m):
+    return -(-int(n) // m) * m
+
+
+def _pad_to(a, axis, size):
+    axis = axis % a.ndim
+    if a.shape[axis] == size:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, pad)
+
+
+def _padded_map(x, r, p, c, lp, dp, fp):
+    """One side's map padded for the kernels: rows to lp and D to dp (zeros), r as a [B, H, lp, 1] column,
+    P [B', H', dp, fp] and c [B', H', 1, fp] with (batch, head) dims, features to fp (zeros: masked by index)."""
+    return Map(_pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp), _pad_to(r.astype(F32), 2, lp)[..., None],
+               _pad_to(_pad_to(feature_params(p.astype(F32), 2), 2, dp), 3, fp),
+               _pad_to(feature_params(c.astype(F32), 1), 2, fp)[:, :, None, :])
+
+
+def _precision(precision):
+    precision = precision or PRECISION
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    return precision
+
+
+def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpret=None, precision=None, cut=None):
+    """fused.attend on a TPU (Mosaic): linear attention over log φ_q = xq·pq + cq + rq and log φ_k = xk·pk + ck +
+    rk; xq [B, H, Lq, D], rq [B, H, Lq], xk, rk likewise over Lk, pq/pk [.., D, F] and cq/ck [.., F] with leading
+    (batch, head) dims broadcast from the right, v [B, H, Lk, Dv], valid [B, Lk] or None. Returns (out [B, H, Lq,
+    Dv] float32, exceeded [B, H, Lq] bool): the rows at or after a causal key that exceeded its chunk's reference
+    by more than EXCEEDANCE (in the row's own batch and head), whose output the caller takes from an exact path.
+    Causal needs Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU
+    (Pallas TPU interpret mode). `precision`: a fused.PRECISIONS name (None: fused.PRECISION), mapped by
+    MOSAIC_PRODUCTS. `cut`: (chunk, feature block) instead of TUNING's (chunk a multiple of 8, block of 128)."""
+    precision = _precision(precision)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    chunk, block = cut or TUNING["causal" if causal else "bidirectional"]
+    if chunk % SUBLANES or block % LANES:
+        raise ValueError(f"the TPU kernels cut calls into chunks of a multiple of {SUBLANES} rows and blocks of a "
+                         f"multiple of {LANES} features; got {chunk} and {block}")
+    b, h, lq, d = xq.shape
+    lk, dv, f = xk.shape[2], v.shape[-1], pq.shape[-1]
+    if causal and lq != lk:
+        raise ValueError(f"the TPU causal kernel needs Lq = Lk; got {lq} and {lk}")
+    # a chunk of whole lanes where the sequence allows (the [chunk, chunk] tiles), else of whole sublanes
+    c = min(chunk, _round_up(max(lq, lk), LANES if chunk % LANES == 0 else SUBLANES))
+    fb = min(block, _round_up(f, LANES))
+    fp = _round_up(f, fb)
+    plan = Plan(c, fb, f, bool(interpret), "fp32" if interpret else MOSAIC_PRODUCTS[precision])
+    lqp, lkp = (_round_up(lq, c), _round_up(lk, c)) if not causal else (_round_up(lq, c),) * 2
+    queries = _padded_map(xq, rq, pq, cq, lqp, _round_up(d, LANES), fp)
+    keys = _padded_map(xk, rk, pk, ck, lkp, _round_up(xk.shape[-1], LANES), fp)
+    valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
+    values = Values(_pad_to(_pad_to(v.astype(F32), 3, _round_up(dv, LANES)), 2, lkp), _pad_to(valid, 1, lkp)[..., None])
+    # parameters are constants of the kernel call (their cotangents are not computed)
+    fixed = lambda m: m._replace(p=jax.lax.stop_gradient(m.p), c=jax.lax.stop_gradient(m.c))
+    out, excess = _core(fixed(queries), fixed(keys), values, bool(causal), plan)
+    exceeded = linear.cumulative(excess, jnp.maximum, LOW) > EXCEEDANCE
+    return out[:, :, :lq, :dv], exceeded[:, :, :lq]
