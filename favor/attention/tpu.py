@@ -27,18 +27,26 @@ state from chunk to chunk, and the carry lives in VMEM scratch (`pltpu.VMEM`), s
   block_rows   [B, H, G, L, X] -> [chunk, X]    per-feature-block outputs (summed / combined by the wrapper)
   chunk_feat   [B, H, N, 1, F'] -> [1, block]   each chunk's reference τ0 (causal)
 Every block's last two dims are multiples of (8, 128) or the array's own: D, Dv and F are padded to multiples of
-128 lanes (D', Dv', F'; zero inputs and projections, exact), chunks are multiples of 8 rows (of 128 when L
-allows, so the [chunk, chunk] tiles fill the lanes). A padded feature is masked by its index (`_real`), never by
-a value it holds: it sets no maximum and weighs nothing.
+128 lanes (D', Dv', F'; zero inputs and projections, exact), chunks are multiples of 8 rows (a cut's chunk that
+is a multiple of 128 stays one for short sequences, so the [chunk, chunk] tiles fill whole lanes). A padded
+feature is masked by its index (`_real`), never by a value it holds: it sets no maximum and weighs nothing.
 
 Layouts that keep Mosaic on its well-trodden paths: a per-row vector (r, log-denominator, a_j, β, δ) is a
-[chunk, 1] column and a per-feature vector (τ, z, c) a [1, block] row, every reduction keeps its dims; the
-state is stored transposed, S = Tᵀ [Dv', block] (and the backward sums U likewise), so a per-feature rescale is
-a row broadcast. The products are NN or NT (`dot_general` contracting the last dims, the MXU's native forms);
-the two TN products (state updates Sᵀ += vᵀ·f) transpose their [chunk, Dv'] operand explicitly (`.T`, as
-Pallas' TPU flash attention does). A per-key column needed as a row ([1, chunk], to weigh the columns of a
-[chunk, chunk] tile) is taken off the diagonal by a masked reduction (`_as_row`), exact, with no transpose of
-a [chunk, 1] vector.
+[chunk, 1] column and a per-feature vector (τ, z, c) a [1, block] row; every reduction reduces a 2-D tile and
+keeps its dims (none reduces a [chunk, 1] column to [1, 1]: the causal carry's "a key came before" is itself a
+[chunk, 1] column, and the chunk's first valid key is found per feature); every boolean mask is formed in its
+full shape from iotas or broadcast floats (Mosaic relayouts no broadcast i1 vector). The state is stored
+transposed, S = Tᵀ [Dv', block] (and the backward sums U likewise), so a per-feature rescale is a row broadcast.
+The products are NN or NT (`dot_general` contracting the last dims, the MXU's native forms); the TN products
+(the updates Sᵀ += vᵀ·f and Uᵀ += gᵀ·f) transpose their [chunk, Dv'] operand explicitly (`.T`, as Pallas' TPU
+flash attention does). A per-key column needed as a row ([1, chunk], to weigh the columns of a [chunk, chunk]
+tile) is taken off the diagonal by a masked reduction (`_as_row`), exact, with no transpose of a [chunk, 1]
+vector; the reverse sweep forms its [chunk, chunk] tiles with the keys along the sublanes, so it needs no
+transposed tile either.
+
+Checked on CPU only: interpret mode (pltpu.InterpretParams) for the numbers, jax.export(platforms=["tpu"]) for
+the lowering to Mosaic, which checks the blocks' tiling and that every operation has a Mosaic lowering; Mosaic's
+own layout passes and compilation run only on a TPU and have not run.
 
 Precision (a static `Plan` field, as in fused.py): interpret mode (CPU) runs Precision.HIGHEST. On a TPU the
 fused.PRECISIONS name maps to what Mosaic's matmul offers (MOSAIC_PRODUCTS): float32 operands at
@@ -57,7 +65,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -106,7 +113,8 @@ class State(NamedTuple):
 
 
 class Carry(NamedTuple):
-    """The causal forward pass's carry (VMEM scratch): whether a valid key came before [1, 1], and the State."""
+    """The causal forward pass's carry (VMEM scratch): whether a valid key came before (0/1 in each of [c, 1]'s
+    rows), and the State (τ LOW until the first valid key)."""
     seen: Any
     tau: Any
     s: Any
@@ -193,18 +201,17 @@ class Products(NamedTuple):
 
 
 def _products(products):
-    if products == "bf16":
-        cast = lambda a: a.astype(jnp.bfloat16)
-        precision = None
-    else:
-        cast = lambda a: a
-        precision = HIGHEST
+    """Products at "fp32" (float32 operands, Precision.HIGHEST) or "bf16" (bf16 operands, default precision), both
+    accumulating in float32. aᵀ·b transposes a explicitly (its [chunk, X] operand: both dims whole tiles)."""
+    low = products == "bf16"
 
-    nn = lambda a, b: jax.lax.dot_general(cast(a), cast(b), (((1,), (0,)), ((), ())), precision=precision,
-                                          preferred_element_type=F32)
-    nt = lambda a, b: jax.lax.dot_general(cast(a), cast(b), (((1,), (1,)), ((), ())), precision=precision,
-                                          preferred_element_type=F32)
-    return Products(nn, nt, lambda a, b: nn(a.T, b))
+    def dot(a, b, b_contracts):
+        if low:
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        return jax.lax.dot_general(a, b, (((1,), (b_contracts,)), ((), ())), precision=None if low else HIGHEST,
+                                   preferred_element_type=F32)
+
+    return Products(nn=lambda a, b: dot(a, b, 0), nt=lambda a, b: dot(a, b, 1), tn=lambda a, b: dot(a.T, b, 0))
 
 
 def _iota(shape, dim):
@@ -212,8 +219,14 @@ def _iota(shape, dim):
 
 
 def _real(plan):
-    """[1, block]: which features of the program's block are the map's own (the first `features` of F')."""
-    return pl.program_id(2) * plan.block + _iota((1, plan.block), 1) < plan.features
+    """[chunk, block]: which features of the program's block are the map's own (the first `features` of F').
+    Every mask in these kernels is formed in its full shape: Mosaic relayouts no broadcast boolean vector."""
+    return pl.program_id(2) * plan.block + _iota((plan.chunk, plan.block), 1) < plan.features
+
+
+def _spread(col, shape):
+    """A 0/1 float column [c, 1] as a boolean mask of `shape`: the float broadcast, then compared."""
+    return jnp.broadcast_to(col, shape) > 0
 
 
 def _log_features(mm, side, real):
@@ -222,9 +235,11 @@ def _log_features(mm, side, real):
 
 
 def _key_features(mm, keys, values, real):
-    """The keys' log-features (LOW for padded keys and features) and their validity [c, 1]."""
-    valid = values.valid[...] > 0
-    return jnp.where(valid, _log_features(mm, keys, real), LOW), valid
+    """The keys' log-features (LOW for padded keys and features), their validity [c, 1] and `live` [c, block]: a
+    valid key's real features."""
+    valid = values.valid[...]
+    live = _spread(valid, real.shape) & real
+    return jnp.where(_spread(valid, real.shape), _log_features(mm, keys, real), LOW), valid > 0, live
 
 
 def _as_row(col):
@@ -273,11 +288,11 @@ def _key_state_kernel(keys, values, out, carry, *, plan):
     S = Σ_j v_j exp(l_k(j) − τ)ᵀ, z = Σ_j exp(l_k(j) − τ), every factor ≤ 1."""
     mm, real = _products(plan.products), _real(plan)
     _at_first_chunk(lambda: _start_state(carry))
-    lk, valid = _key_features(mm, keys, values, real)
+    lk, _, live = _key_features(mm, keys, values, real)
     tau = carry.tau[...]
     new = jnp.maximum(tau, jnp.max(lk, axis=0, keepdims=True))
     keep = jnp.exp(tau - new)
-    fk = jnp.where(valid & real, jnp.exp(lk - new), 0.0)
+    fk = jnp.where(live, jnp.exp(lk - new), 0.0)
     carry.s[...] = carry.s[...] * keep + mm.tn(values.v[...], fk)
     carry.z[...] = carry.z[...] * keep + jnp.sum(fk, axis=0, keepdims=True)
     carry.tau[...] = new
@@ -326,8 +341,8 @@ def _bidir_dq_kernel(queries, fwd, state, out, sums_out, sums, *, plan):
 def _bidir_dk_kernel(keys, values, tau, sums, out, *, plan):
     """∂l_k = ek·(v·U_g + U_d), ∂v = ek·U_gᵀ with ek = exp(l_k − τ) ≤ 1: every key chunk on its own."""
     mm, real = _products(plan.products), _real(plan)
-    lk, valid = _key_features(mm, keys, values, real)
-    ek = jnp.where(valid & real, jnp.exp(jnp.minimum(lk - tau.tau[...], 0.0)), 0.0)
+    lk, _, live = _key_features(mm, keys, values, real)
+    ek = jnp.where(live, jnp.exp(jnp.minimum(lk - tau.tau[...], 0.0)), 0.0)
     ug = sums.ug[...]
     dlk = ek * (mm.nn(values.v[...], ug) + sums.ud[...])
     out.dv[...] = mm.nt(ek, ug)
@@ -339,9 +354,9 @@ def _bidir_dk_kernel(keys, values, tau, sums, out, *, plan):
 class Chunk(NamedTuple):
     """A chunk's stabilised factors on its reference τ0 (fused._causal_terms): a_j [c, 1] (LOW for padding),
     β_i [c, 1], fq = exp(l_q + τ0 − β), fk = exp(l_k − τ0 − a) (0 for padded keys and features), key weights
-    w = e^min(a, EXCEEDANCE) [c, 1] and as a row [1, c], the mask j ≤ i [c, c]; and l_k, valid, v."""
+    w = e^min(a, EXCEEDANCE) [c, 1] and as a row [1, c], the mask j ≤ i [c, c]; and l_k, `live`, v."""
     lk: Any
-    valid: Any
+    live: Any
     v: Any
     a: Any
     beta: Any
@@ -353,30 +368,30 @@ class Chunk(NamedTuple):
     tri: Any
 
 
-def _reference(lk, valid, seen, tau):
-    """τ0 [1, block]: the carried τ once a valid key came before, else the chunk's first valid key (every query
-    that sees a key sees that one); zeros while no key at all (unused then)."""
-    c = lk.shape[0]
-    idx = _iota((c, 1), 0).astype(F32)
-    first = jnp.min(jnp.where(valid, idx, float(c)), axis=0, keepdims=True)
-    anchor = jnp.sum(jnp.where(idx == first, lk, 0.0), axis=0, keepdims=True)
-    return jnp.where(seen, tau, anchor)
+def _reference(lk, live, tau):
+    """τ0 [1, block]: the carried τ once a valid key came before (the carry is LOW until the first key: τ > LOW/2),
+    else the chunk's first valid key (every query that sees a key sees that one); LOW while no key at all, and
+    in the padded features."""
+    rows = _iota(lk.shape, 0).astype(F32)
+    first = jnp.min(jnp.where(live, rows, float(lk.shape[0])), axis=0, keepdims=True)
+    anchor = jnp.max(jnp.where(rows == first, lk, LOW), axis=0, keepdims=True)
+    return jnp.where(tau > 0.5 * LOW, tau, anchor)
 
 
-def _chunk(mm, queries, keys, values, tau0, real, lk=None, valid=None):
-    if lk is None:
-        lk, valid = _key_features(mm, keys, values, real)
+def _chunk(mm, queries, keys, values, tau0, real, keyed=None):
+    """The chunk's factors; `keyed`: the keys' (l_k, valid, live) if already formed."""
+    lk, valid, live = keyed or _key_features(mm, keys, values, real)
     lq = _log_features(mm, queries, real)
     c = lk.shape[0]
     a = jnp.where(valid, jnp.max(jnp.where(real, lk - tau0, LOW), axis=1, keepdims=True), LOW)
     beta = jnp.max(lq + tau0, axis=1, keepdims=True)
-    fk = jnp.where(valid & real, jnp.exp(lk - tau0 - a), 0.0)
+    fk = jnp.where(live, jnp.exp(lk - tau0 - a), 0.0)
     fq = jnp.exp(lq + tau0 - beta)
     w = jnp.where(valid, jnp.exp(jnp.minimum(a, EXCEEDANCE)), 0.0)
     a_row = _as_row(a)
     w_row = jnp.exp(jnp.minimum(a_row, EXCEEDANCE))            # a padded key's a_j = LOW: weight 0
     tri = _iota((c, c), 0) >= _iota((c, c), 1)
-    return Chunk(lk, valid, values.v[...], a, beta, fq, fk, w, w_row, a_row, tri)
+    return Chunk(lk, live, values.v[...], a, beta, fq, fk, w, w_row, a_row, tri)
 
 
 def _advance(mm, ch, tau0, s, z):
@@ -387,19 +402,21 @@ def _advance(mm, ch, tau0, s, z):
 
 
 def _causal_fwd_kernel(queries, keys, values, out, carry, *, plan):
+    """One chunk of the causal pass: its rows from the carried state (the earlier chunks' keys) and the masked
+    in-chunk product, both divided by e^α_i; writes τ0 and each a_j, then carries the state past the chunk."""
     mm, real = _products(plan.products), _real(plan)
 
     def start():
         carry.seen[...] = jnp.zeros(carry.seen.shape, F32)
         _start_state(carry)
     _at_first_chunk(start)
-    seen = carry.seen[...] > 0
-    lk, valid = _key_features(mm, keys, values, real)
-    tau0 = _reference(lk, valid, seen, carry.tau[...])
-    ch = _chunk(mm, queries, keys, values, tau0, real, lk, valid)
+    seen = carry.seen[...]
+    keyed = _key_features(mm, keys, values, real)
+    tau0 = _reference(keyed[0], keyed[2], carry.tau[...])
+    ch = _chunk(mm, queries, keys, values, tau0, real, keyed)
     # α_i = max(0 if a key came before the chunk, max_{j ≤ i} a_j): the row's own causal divisor
     alpha = jnp.max(jnp.where(ch.tri, ch.a_row, LOW), axis=1, keepdims=True)
-    alpha = jnp.where(seen, jnp.maximum(alpha, 0.0), alpha)
+    alpha = jnp.where(seen > 0, jnp.maximum(alpha, 0.0), alpha)
     has = alpha > 0.5 * LOW
     scale = jnp.exp(-jnp.where(has, alpha, 0.0))
     s = jnp.where(ch.tri, mm.nt(ch.fq, ch.fk), 0.0)
@@ -411,7 +428,9 @@ def _causal_fwd_kernel(queries, keys, values, out, carry, *, plan):
     out.tau[...] = tau0
     out.a[...] = ch.a
     carry.tau[...], carry.s[...], carry.z[...] = _advance(mm, ch, tau0, carry.s[...], carry.z[...])
-    carry.seen[...] = jnp.maximum(carry.seen[...], jnp.max(jnp.where(valid, 1.0, 0.0), axis=0, keepdims=True))
+    # whether a valid key came before the next chunk, in every row (a [c, c] reduction: no [c, 1] -> [1, 1] one)
+    any_valid = jnp.max(jnp.broadcast_to(_as_row(values.valid[...]), ch.tri.shape), axis=1, keepdims=True)
+    carry.seen[...] = jnp.maximum(seen, any_valid)
 
 
 def _causal_dq_kernel(queries, keys, values, fwd, refs, out, state, *, plan):
@@ -440,7 +459,7 @@ def _causal_dk_kernel(queries, keys, values, fwd, refs, out, sums, *, plan):
     r = _ratio_to_den(ch.beta, fwd.lden[...])
     g = fwd.g[...]
     delta = jnp.sum(g * fwd.o[...], axis=1, keepdims=True)
-    ek = jnp.where(ch.valid & real, jnp.exp(jnp.minimum(ch.lk - rho, 0.0)), 0.0)
+    ek = jnp.where(ch.live, jnp.exp(jnp.minimum(ch.lk - rho, 0.0)), 0.0)
     fr = ch.fq * r
     # the in-chunk terms with keys j along the sublanes and queries i along the lanes (no transposed tile):
     # b_t[j, i] = g_i·v_j − δ_i and s_t[j, i] = fk_j·fq_i for j ≤ i
@@ -519,7 +538,7 @@ def _forward(queries, keys, values, causal, plan):
         n = lk // c
         outs = CausalRows(rows(lq, dvp), rows(lq, 1), (b, h, n, 1, fp), rows(lk, 1))
         o, lden, taus, excess = _call(_causal_fwd_kernel, (queries, keys, values), (outs,), (b, h, g, n), plan,
-                                      scratch=(Carry((1, 1), *_state_scratch(fb, dvp)),))[0]
+                                      scratch=(Carry((c, 1), *_state_scratch(fb, dvp)),))[0]
         out, lden = combine_blocks(o, lden[..., 0])
         return out, lden[..., None], taus, jnp.max(excess[..., 0], axis=2)
     state = _call(_key_state_kernel, (keys, values), (_state_shapes(b, h, fp, dvp),), (b, h, g, lk // c), plan,
