@@ -95,9 +95,9 @@ def get_config(arg=None):
 
 
 def sweep(arg=None):
-    """Every kind of `kinds` (kind specs) × `seeds` seeds, seed by seed (favor.config.sweeps.seed_by_seed)."""
+    """Every kind of `kinds` (kind specs) × `seeds` seeds, seed by seed (favor.sweeps.seed_by_seed)."""
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    from favor.config import sweeps                   # the kinds' registry: JAX, which writing a config never needs
+    from favor import sweeps                   # the kinds' registry: JAX, which writing a config never needs
     yield from sweeps.seed_by_seed(sweeps.kind_settings("kinds", args.kinds), range(int(args.seeds)))

@@ -38,7 +38,7 @@ def sweep(arg=None):
     args = _args(arg)
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
-    from favor.config import sweeps                   # the kinds' registry: JAX, which writing a config never needs
+    from favor import sweeps                   # the kinds' registry: JAX, which writing a config never needs
     yield from sweeps.seed_by_seed(sweeps.kind_settings("kinds", args.kinds), range(int(args.seeds)))
 
 

@@ -158,5 +158,5 @@ def sweep(arg=None):
         settings += [{kind: "hrf", lam: v, width: wide, **sphere} for v in ("angular", "cluster")]
         if args.floor:
             settings.append({"model.self_attention": False})
-    from favor.config import sweeps
+    from favor import sweeps
     yield from sweeps.seed_by_seed(settings, range(int(args.seeds)))

@@ -80,7 +80,7 @@ def sweep(arg=None):
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
     # each kind as its spec (favor#:saderf sets FAVOR#'s variant; favor.attention.parse_spec)
     from favor import attention        # the kinds' registry: JAX, which writing a config never needs
-    from favor.config import sweeps
+    from favor import sweeps
     from favor.attention import qknorm, schedule
     kinds = sweeps.kind_settings("kinds", args.kinds or "/".join(attention.names()))
     axes = {}

@@ -79,7 +79,7 @@ def sweep(arg=None):
     if int(args.seeds) < 1 or int(args.band) < 0:
         raise ValueError(f"seeds={args.seeds}, band={args.band}: expected seeds ≥ 1 and a band ≥ 0")
     from favor import attention        # the kinds' registry: JAX, which writing a config never needs
-    from favor.config import sweeps
+    from favor import sweeps
     kinds = blocks.values("kinds", args.kinds, [k for k in attention.names() if k != "softmax"])
     band = int(args.band)
     shapes = [(k, w) for k in kinds for w in ((0, band) if band else (0,))]

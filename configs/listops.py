@@ -76,7 +76,7 @@ def sweep(arg=None):
     if int(args.seeds) < 1:
         raise ValueError(f"seeds={args.seeds}: expected 1 or more")
     from favor import attention        # the kinds' registry: JAX, which writing a config never needs
-    from favor.config import sweeps
+    from favor import sweeps
     kinds = blocks.values("kinds", args.kinds or "/".join(attention.names()), attention.names())
     # trig and HRF as favor advises them (qk_norm=l2): without it they do not train, and a comparison on
     # that setting would rate favor's warning rather than the kernels

@@ -46,7 +46,7 @@ def sweep(arg=None):
     kind, width, band = "model.attention.kind", "model.attention.num_features", "model.attention.window"
     settings = [{kind: "softmax"}]
     from favor import attention        # the kinds' registry: JAX, which writing a config never needs
-    from favor.config import sweeps
+    from favor import sweeps
     allowed = [n for n in attention.names() if n != "softmax"]
     kinds = blocks.values("kinds", args.kinds, allowed)
     others = [k for k in blocks.values("others", args.others, allowed) if k not in kinds]

@@ -6,7 +6,7 @@
     python -m favor.tools.report runs/sweep --plot runs/sweep/report.png
 
 The config module's `sweep()` yields override dicts, products of several keys included
-(favor.config.sweeps.product); each run gets `--config.<key>=<value>` flags and its own workdir
+(favor.sweeps.product); each run gets `--config.<key>=<value>` flags and its own workdir
 `<workdir>/<name>` named after them. `<workdir>/sweep.json` lists every run (favor.tools.report lists the
 ones that never started too) and each run's `sweep_status.json` says running / finished / failed.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from favor.config import sweeps  # noqa: E402  (after the path: run as a script from anywhere)
+from favor import sweeps  # noqa: E402  (after the path: run as a script from anywhere)
 from favor.data import atomic  # noqa: E402
 
 

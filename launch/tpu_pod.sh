@@ -3,7 +3,7 @@
 #
 #   launch/tpu_pod.sh TPU_NAME ZONE WORKDIR -- --config configs/bert_pretrain.py [--config.x=y ...]
 #
-# A sweep (the config's sweep(), favor.config.sweeps) runs its runs one after another, each on the whole
+# A sweep (the config's sweep(), favor.sweeps) runs its runs one after another, each on the whole
 # slice; rerunning the same command skips the finished runs and resumes the others. It needs a
 # WORKDIR on a filesystem every host mounts (each host's launcher reads the runs' status files):
 #

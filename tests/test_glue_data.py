@@ -6,7 +6,8 @@ import tensorflow_datasets as tfds
 from scipy import stats
 from sklearn import metrics as skm
 
-from favor import data, metrics
+from favor import data
+from favor.tasks import metrics
 from favor.data import glue, tokenizers
 
 LETTERS = "abcdefghij"

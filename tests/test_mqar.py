@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from favor import data, job
-from favor.config import loading, sweeps
+from favor.config import loading
+from favor import sweeps
 from favor.data import mqar
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -318,7 +318,8 @@ def test_speech_sweep_settings_are_valid_configs():
     validated as a run is), giving the settings the report expects, 3 seeds each; the quick sweep is the
     tests' four runs."""
     from favor import job
-    from favor.config import loading, sweeps
+    from favor.config import loading
+    from favor import sweeps
     from favor.repro import speech_kernels as sk, trained
     from favor.tools.report import RunRecord
 
@@ -595,7 +596,7 @@ def test_mqar_report_measures_state_sizes_and_rates_recall_against_them(tmp_path
     assert mk._label(hrf) == "HRF (qk l2) F=64"
     # the sweep's runs carry exactly the labels the report asks for (kinds, others, bands, l2 on trig/HRF)
     from types import SimpleNamespace
-    from favor.config import sweeps
+    from favor import sweeps
     spec = f"{path}:seeds=1,kinds=favor/elu/favor+,others=hrf/relu/favor+/simrf,widths=8/32/128,bands=4"
     labels = sorted(mk._label(SimpleNamespace(settings=r.overrides)) for r in sweeps.load(spec))
     assert labels == sorted(mk.asked_settings(("favor", "elu", "favor+"), [8, 32, 128], [4],
@@ -667,7 +668,7 @@ def test_uptrain_sweeps_give_the_settings_the_report_asks_for():
     loaded from its config as the launcher does), for the default kinds and for specs whose variant is
     left to the kind (favor# is FAVOR# (SDERF), hrf HRF (angular))."""
     import argparse
-    from favor.config import sweeps
+    from favor import sweeps
     from favor.repro import uptrain_kernels as uk
     from favor.tools.report import RunRecord
 
@@ -758,7 +759,8 @@ def test_linearize_sweep_settings_are_valid_configs_named_as_asked(tmp_path):
     report asks for; the recipes give the same number of steps."""
     import argparse
     from favor import job, uptrain
-    from favor.config import loading, sweeps
+    from favor.config import loading
+    from favor import sweeps
     from favor.repro import linearize as lin
     from favor.tools.report import RunRecord
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from favor import attention, strings
-from favor.config import sweeps
+from favor import sweeps
 from favor.bench import common
 from favor.repro import trained
 

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from favor import attention
-from favor.config import sweeps
+from favor import sweeps
 from favor.train import events
 from favor.tools import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# -- favor.config.sweeps -------------------------------------------------------------------------------------
+# -- favor.sweeps -------------------------------------------------------------------------------------
 def test_product_is_every_combination_first_axis_slowest():
     items = list(sweeps.product({"model.attention.kind": ("a", "b", "c"), "model.attention.num_features": (16, 64),
                                  "seed": (0, 1)}))
@@ -127,7 +127,7 @@ SWEEP_CONFIG = """
 import os, sys
 sys.path.insert(0, {root!r})
 from configs import default
-from favor.config import sweeps
+from favor import sweeps
 from favor.train import events
 
 def get_config(arg=None):

@@ -1,3 +1,3 @@
 """What configs are made of, importing no JAX: the blocks and arg strings configs/*.py are written with
 (blocks), the typed checks of every block (checks), loading a config file as --config does (loading),
-the model sizes (presets) and sweeps over configs (sweeps)."""
+and the model sizes (presets)."""

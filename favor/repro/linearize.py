@@ -119,7 +119,7 @@ def plan(args) -> dict:
     # the quick run leaves out the band alone: the tests' time (its path is the banded kinds' with softmax)
     sweep = (f"{path}:{size}seeds={seeds},kinds={kinds},band={band},recipes={recipes},"
              f"transfer_steps={steps['transfer_steps']},steps={steps['steps']}" + (",alone=False" if quick else ""))
-    from favor.config import sweeps                  # the sweep's own settings are the ones the report asks for
+    from favor import sweeps                  # the sweep's own settings are the ones the report asks for
     asked = sorted({label_of(r.overrides) for r in sweeps.load(sweep)})
     return {"source": source, "sweep": sweep, "seeds": seeds, "asked": asked, **steps}
 

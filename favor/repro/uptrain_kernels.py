@@ -9,7 +9,8 @@ import math
 import numpy as np
 
 from favor import attention, strings
-from favor.config import loading, sweeps
+from favor.config import loading
+from favor import sweeps
 from favor.data import local
 from favor.repro import trained
 from favor.repro.report import Report

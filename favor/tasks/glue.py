@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from favor import metrics
+from favor.tasks import metrics
 
 
 class Glue:

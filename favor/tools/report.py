@@ -8,7 +8,7 @@ runs that never started are listed too. Per run it reads what train.py leaves in
 config.json (the resolved config: which keys tell the runs apart), summary.json (final metrics, train
 loss, steps/s, wall time, parameter count), the TensorBoard events (the eval curve; unfinished runs have
 no summary yet) and launch/sweep_local.py's sweep_status.json (failed runs and their exit code).
-Runs that differ only in a seed key (favor.config.sweeps.SEED_KEYS) are also reported as one setting,
+Runs that differ only in a seed key (favor.sweeps.SEED_KEYS) are also reported as one setting,
 mean ± sd over the seeds.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from favor.config import sweeps
+from favor import sweeps
 
 # metrics where smaller is better; any other (accuracy, f1, matthews, pearson, ...) is maximised
 LOWER_IS_BETTER = ("loss", "wer", "cer", "error", "perplexity", "ppl", "mse")
