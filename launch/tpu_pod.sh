@@ -10,12 +10,40 @@
 #   launch/tpu_pod.sh --sweep TPU_NAME ZONE WORKDIR -- --config configs/bert_glue.py [--config.x=y ...]
 #   python -m favor.tools.report WORKDIR --plot WORKDIR/report.png
 #
+# The accelerator benchmark (launch/bench_accel.sh's grid and kinds parts: the fused kernels, Mosaic's on a
+# TPU, against XLA and softmax) on the slice's first host, its BENCHMARKS.md sections and bench/*.json
+# copied back into OUT; what `impl="auto"` on a TPU waits for (kinds.AUTO_FUSED lists no TPU until then):
+#
+#   launch/tpu_pod.sh --bench TPU_NAME ZONE OUT
+#
 # WORKDIR must be storage every host sees (a gs:// bucket or a shared filesystem): orbax writes each
 # host's shards of a checkpoint there and process 0 commits it. The repository's committed tree (HEAD)
 # is copied to every host and installed into a venv there. `--multihost` makes train.py call
 # jax.distributed.initialize(), which finds the pod's coordinator by itself on TPU VMs.
 set -euo pipefail
 sweep=0
+if [ "${1:-}" = "--bench" ]; then
+  if [ $# -ne 4 ]; then
+    echo "usage: $0 --bench TPU_NAME ZONE OUT" >&2
+    exit 2
+  fi
+  tpu=$2 zone=$3 out=$4
+  repo=$(cd "$(dirname "$0")/.." && pwd)
+  archive=$(mktemp --suffix=.tar.gz)
+  trap 'rm -f "$archive"' EXIT
+  git -C "$repo" archive --format=tar.gz -o "$archive" HEAD
+  gcloud compute tpus tpu-vm scp --zone "$zone" --worker=0 "$archive" "$tpu":~/favor-bench.tar.gz
+  gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" --worker=0 --command "
+    set -e; rm -rf ~/favor-bench && mkdir ~/favor-bench && tar -xzf ~/favor-bench.tar.gz -C ~/favor-bench
+    cd ~/favor-bench && [ -x ~/favor-venv/bin/python ] || python3 -m venv ~/favor-venv
+    ~/favor-venv/bin/pip install -q -e . 'jax[tpu]'
+    PYTHON=~/favor-venv/bin/python launch/bench_accel.sh ~/favor-bench grid kinds"
+  mkdir -p "$out"
+  gcloud compute tpus tpu-vm scp --zone "$zone" --worker=0 "$tpu":~/favor-bench/BENCHMARKS.md "$out/BENCHMARKS.tpu.md"
+  gcloud compute tpus tpu-vm scp --zone "$zone" --worker=0 --recurse "$tpu":~/favor-bench/bench "$out/bench-tpu"
+  echo "the TPU's sections: $out/BENCHMARKS.tpu.md and $out/bench-tpu/ (merge them into BENCHMARKS.md and bench/)"
+  exit 0
+fi
 if [ "${1:-}" = "--sweep" ]; then
   sweep=1
   shift

@@ -364,6 +364,18 @@ def test_cluster_launchers_run_one_sweep_run_per_array_task_or_the_sweep_on_the_
                            "--config", "configs/default.py"], capture_output=True, text=True, env=env)
     ssh = (tmp_path / "gcloud.args").read_text().split("----\n")[1]
     assert bare.returncode == 0 and ssh.rstrip().endswith("--workdir /mnt/abl -- --multihost"), ssh   # no '' arg
+    # the accelerator benchmark on the slice's first host, its results copied back
+    (tmp_path / "gcloud.args").unlink()
+    bench = subprocess.run(["bash", str(ROOT / "launch/tpu_pod.sh"), "--bench", "my-tpu", "zone-a",
+                            str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert bench.returncode == 0, bench.stderr
+    calls = (tmp_path / "gcloud.args").read_text().split("----\n")
+    assert all("--worker=0" in call.split() for call in calls if call.strip())
+    assert "launch/bench_accel.sh ~/favor-bench grid kinds" in calls[1]
+    assert "~/favor-bench/BENCHMARKS.md" in calls[2] and str(tmp_path / "out/BENCHMARKS.tpu.md") in calls[2]
+    usage = subprocess.run(["bash", str(ROOT / "launch/tpu_pod.sh"), "--bench", "my-tpu"], capture_output=True,
+                           text=True, env=env)
+    assert usage.returncode == 2 and "--bench TPU_NAME ZONE OUT" in usage.stderr
 
 
 def test_report_names_empty_settings_none_and_plots_the_setting_means(tmp_path):

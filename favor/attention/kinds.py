@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from favor import kernels
 from favor.attention import (bidirectional, causal as causal_lib, decoding, documents, floor as floor_lib, fused,
-                             linear, schedule, sequence, window as window_lib)
+                             linear, schedule, sequence, tpu, window as window_lib)
 from favor.kernels.base import pytree_dataclass
 
 def check_qkv(q, k, v, mask, query_mask=None):
@@ -609,6 +609,15 @@ class T2RAttention(LearnedAttention):
 # accel-nvidia-h200-tuned-causal), so causal calls take the kernel from 16384 keys.
 # "pallas-<precision>" runs the kernel's products at one of fused.PRECISIONS ("pallas": fused.PRECISION)
 IMPLS = ("auto", "xla", "pallas", *(f"pallas-{p}" for p in fused.PRECISIONS))
+# where impl='pallas' runs: Triton's kernels (favor.attention.fused) on a GPU and in interpret mode on a CPU,
+# Mosaic's (favor.attention.tpu) on a TPU. AUTO_FUSED lists no TPU: compiled for TPU in the tests, not timed
+# on one, so 'auto' stays on XLA there.
+KERNEL_BACKENDS = ("gpu", "tpu", "cpu")
+
+
+def kernel_backend():
+    """The backend the kernels run on (jax.default_backend(); one place, which tests can replace)."""
+    return jax.default_backend()
 SOFTMAX_IMPLS = ("auto", "xla", "cudnn")
 AUTO_FUSED = {"gpu": {"bidirectional": 4096, "causal": 16384}}
 
@@ -793,7 +802,7 @@ class RandomFeatureAttention(FeatureAttention):
         if self.impl == "xla":
             return False
         if self.impl == "auto":
-            least = AUTO_FUSED.get(jax.default_backend(), {}).get("causal" if causal else "bidirectional")
+            least = AUTO_FUSED.get(kernel_backend(), {}).get("causal" if causal else "bidirectional")
             if least is None or k.shape[1] < least or self.fused_unavailable():
                 return False
         self._check_backend()
@@ -806,15 +815,21 @@ class RandomFeatureAttention(FeatureAttention):
         return True
 
     def _check_backend(self):
-        if jax.default_backend() not in fused.BACKENDS:
-            raise ValueError(f"{self.name}: impl='pallas' runs on {' and '.join(fused.BACKENDS)} (the kernel "
-                             f"lowers through Triton, and interpret mode on CPU), not on "
-                             f"{jax.default_backend()}; impl='xla' runs there")
+        if kernel_backend() not in KERNEL_BACKENDS:
+            raise ValueError(f"{self.name}: impl='pallas' runs on {', '.join(KERNEL_BACKENDS)} (the kernels lower "
+                             f"through Triton on a GPU and Mosaic on a TPU, and run in interpret mode on a CPU), "
+                             f"not on {kernel_backend()}; impl='xla' runs there")
+
+    def _check_tpu(self, what):
+        if kernel_backend() == "tpu":
+            raise ValueError(f"{self.name}: impl={self.impl!r} on a TPU runs calls without {what} (the TPU kernels "
+                             f"for it are not written); impl='auto' or 'xla' runs it on XLA")
 
     def sequence_fused(self):
         if not self.impl.startswith("pallas"):
             return False
         self._check_backend()
+        self._check_tpu("the sequence mesh axis")
         return True
 
     def _fused_call(self, q, k, v, mask, causal, ctx, runs=None):
@@ -822,8 +837,12 @@ class RandomFeatureAttention(FeatureAttention):
         xq, rq, pq, cq = self.mech.query_log_linear(x, ctx.draw, ctx.params)
         xk, rk, pk, ck = self.mech.key_log_linear(y, ctx.draw, ctx.params)
         vv = _to_bhld(v)
-        out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal,
-                                     precision=self.kernel_precision, runs=runs)
+        if kernel_backend() == "tpu":
+            # Mosaic's kernels (favor.attention.tpu); packed documents are refused before this
+            out, exceeded = tpu.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal, precision=self.kernel_precision)
+        else:
+            out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal,
+                                         precision=self.kernel_precision, runs=runs)
         if causal or runs is not None:
             # the rows past a key beyond its chunk's reference by more than the chunk form allows (in their
             # own batch and head, and document; documents: both modes are causal passes) take favor's XLA
@@ -853,6 +872,7 @@ class RandomFeatureAttention(FeatureAttention):
             if (sequence.axis_size() == 1 and self.impl.startswith("pallas") and q.shape[1] == k.shape[1]
                     and self.uses_fused(causal, q, k)):
                 check_qkv(q, k, v, mask, query_mask)
+                self._check_tpu("segment_ids")
                 runs = document_runs(segment_ids, q, k, causal)
                 ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
                 return self._fused_call(q, k, v, mask, causal, ctx, runs)
@@ -888,7 +908,8 @@ class RandomFeatureAttention(FeatureAttention):
 
     def decode_prefill(self, k, v, ctx=None, valid=None, segment_ids=None):
         valid = last_document(valid, segment_ids, k)
-        if k.shape[1] and self.uses_fused(False, k, k):
+        # the prefill kernel is Triton's (a TPU prefills on XLA)
+        if k.shape[1] and self.uses_fused(False, k, k) and kernel_backend() != "tpu":
             _, y = self.scaled(k, k)
             tau, total = fused.prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid,
                                        precision=self.kernel_precision)
