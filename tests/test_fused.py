@@ -112,8 +112,14 @@ def _value_and_grads(attn, causal, mask, stats, w):
 
 # bf16 for one mechanism: the queries and keys are float32 before any mechanism forms its log-linear maps
 # (`scaled`), so bf16 reaches only the values' loads, the accumulation and the casts of the output and its
-# gradients, which are the same code for every mechanism; every mechanism runs in float32
-@pytest.mark.parametrize("spec,dtype", [(s, jnp.float32) for s in SPECS] + [("favor+", jnp.bfloat16)])
+# gradients, which are the same code for every mechanism. The mechanisms in float32: one per way the kernel
+# reads its parameters — one projection for every head (FAVOR+), one per head (FAVOR#), and different query
+# and key projections (ADERF). Every mechanism meets the float64 reference (the tests above), and its
+# log-linear form its feature map (test_log_linear_forms_equal_the_feature_maps)
+XLA_SPECS = ["favor+", "favor#", "favor#:aderf"]
+
+
+@pytest.mark.parametrize("spec,dtype", [(s, jnp.float32) for s in XLA_SPECS] + [("favor+", jnp.bfloat16)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_equals_xla_outputs_and_gradients(spec, causal, dtype):
     """The kernel and favor's XLA pass (impl='xla') agree to float32 rounding, outputs and d/d(q, k, v),
