@@ -118,7 +118,8 @@ def xla_flags(*flags):
 # The longest tests, longest first (15–50 s each here: whole train.py runs, sweeps, subprocesses with 8
 # devices), go first, so that the two xdist workers do not finish with one of them running alone while
 # the other idles (the order of the rest is kept; each test still runs exactly as written).
-LONGEST = ("test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow",
+LONGEST = ("test_attention_split_over_the_sequence_axis_equals_the_unsplit_call",
+           "test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow",
            "test_bench_accel_checks_times_and_writes", "test_a_llama_lora_run_resumes_and_folds_into_the_next_run",
            "test_sharded_layouts_on_8_devices_match_one_device",
            "test_sweep_runs_in_parallel_skips_finished_lists_failures_and_reports",
@@ -129,7 +130,8 @@ LONGEST = ("test_the_default_job_mqar_and_every_benchmark_run_without_tensorflow
            "test_bench_peers_times_favor_against_performer_pytorch", "test_runlocal_trains_softmax_and_the_bag_baseline",
            "test_causal_span_gradients_equal_those_of_the_explicit_form", "test_librispeech_runlocal_trains_and_reports_wer",
            "test_bench_steps_times_every_kinds_training_step",
-           "test_attention_split_over_the_sequence_axis_equals_the_unsplit_call")
+           "test_the_fused_kernel_runs_on_each_device_from_the_carry_of_the_others",
+           "test_the_context_bench_measures_memory_and_collectives")
 
 
 # the tests `make test-quick` leaves out (`-m "not slow"`): chosen by tests/mark_slow.py from a measured run
