@@ -316,6 +316,21 @@ def _causal_chunk(tools, q, k, fwd, qp, kp, i):
     return Chunk(rows, val, lk, tau0, terms, *_backward_rows(fwd, rows, terms.beta), _load(k.v, rows))
 
 
+def _key_grads(tools, rows, x: Terms, r, g, delta, v, ek, sums, kproj, dx_ref, drow_ref, dv_ref):
+    """Writes ∂x, ∂r and ∂v of a chunk's keys: from the later chunks' query sums (`sums` on ρ, through
+    ek = exp(l_k − ρ)) and from the chunk's own queries (the masked pairs); returns fr = fq·r, this chunk's
+    queries' share of the sums the earlier chunks read."""
+    fr = x.fq * r[:, None]
+    b = jnp.where(x.mask, tools.dot(g, v, tb=True) - delta[:, None], 0.0)          # [i, j]
+    s = jnp.where(x.mask, tools.dot(x.fq, x.fk, tb=True), 0.0)
+    dlk = ek * (tools.dot(v, sums.u, tb=True) + sums.d[None, :]) + x.fk * x.w[:, None] * tools.dot(b, fr, ta=True)
+    dv = tools.dot(ek, sums.u) + x.w[:, None] * tools.dot(s, g * r[:, None], ta=True)
+    dv_ref[rows, :] = dv.astype(dv_ref.dtype)
+    dx_ref[rows, :] = tools.dot(dlk, kproj, tb=True)
+    drow_ref[rows] = jnp.sum(dlk, axis=1)
+    return fr
+
+
 def _causal_dq_kernel(q: Side, k: Keys, fwd: Forward, entering: State, dx_ref, drow_ref, *sum_refs, chunk,
                       features, precision):
     """∂l_q in sequence order from the prefix state the forward pass carried (the earlier segments' as it
@@ -368,15 +383,7 @@ def _causal_dk_kernel(q: Side, k: Keys, fwd: Forward, later: Sums, next_ref, dx_
         x = ch.terms
         rho = jnp.where(i + 1 < n, fwd.refs[jnp.minimum(i + 1, n - 1), :], after)
         ek = jnp.where(ch.val[:, None] & tools.real[None, :], jnp.exp(jnp.minimum(ch.lk - rho[None, :], 0.0)), 0.0)
-        fr = x.fq * ch.r[:, None]
-        b = jnp.where(x.mask, tools.dot(ch.g, ch.v, tb=True) - ch.delta[:, None], 0.0)          # [i, j]
-        s = jnp.where(x.mask, tools.dot(x.fq, x.fk, tb=True), 0.0)
-        dlk = ek * (tools.dot(ch.v, sums.u, tb=True) + sums.d[None, :]) + x.fk * x.w[:, None] * tools.dot(
-            b, fr, ta=True)
-        dv_ref[ch.rows, :] = (tools.dot(ek, sums.u) + x.w[:, None] * tools.dot(s, ch.g * ch.r[:, None], ta=True)
-                              ).astype(dv_ref.dtype)
-        dx_ref[ch.rows, :] = tools.dot(dlk, kp[0], tb=True)
-        drow_ref[ch.rows] = jnp.sum(dlk, axis=1)
+        fr = _key_grads(tools, ch.rows, x, ch.r, ch.g, ch.delta, ch.v, ek, sums, kp[0], dx_ref, drow_ref, dv_ref)
         keep = jnp.exp(jnp.minimum(ch.tau0 - rho, 0.0))
         return Sums(sums.u * keep[:, None] + tools.dot(fr, ch.g, ta=True),
                     sums.d * keep - jnp.sum(fr * ch.delta[:, None], axis=0))
@@ -931,15 +938,7 @@ def _doc_dk_kernel(q: Side, k: Keys, runs: Runs, entering: State, run_ref, fwd: 
         last = _at(ch.runs.k, chunk - 1)
         later = (ch.runs.k == last) & ch.val
         ek = jnp.where(later[:, None] & tools.real[None, :], jnp.exp(jnp.minimum(ch.lk - rho[None, :], 0.0)), 0.0)
-        fr = y.fq * ch.r[:, None]
-        b = jnp.where(y.mask, tools.dot(ch.g, ch.v, tb=True) - ch.delta[:, None], 0.0)          # [i, j]
-        s = jnp.where(y.mask, tools.dot(y.fq, y.fk, tb=True), 0.0)
-        dlk = ek * (tools.dot(ch.v, sums.u, tb=True) + sums.d[None, :]) + y.fk * y.w[:, None] * tools.dot(
-            b, fr, ta=True)
-        dv_ref[ch.rows, :] = (tools.dot(ek, sums.u) + y.w[:, None] * tools.dot(s, ch.g * ch.r[:, None], ta=True)
-                              ).astype(dv_ref.dtype)
-        dx_ref[ch.rows, :] = tools.dot(dlk, kp[0], tb=True)
-        drow_ref[ch.rows] = jnp.sum(dlk, axis=1)
+        fr = _key_grads(tools, ch.rows, y, ch.r, ch.g, ch.delta, ch.v, ek, sums, kp[0], dx_ref, drow_ref, dv_ref)
         # for chunk i − 1's keys: the queries here of the document carried into this chunk (on its entering τ),
         # and the later ones if that document spans this whole chunk
         keep = jnp.where(run == last, jnp.exp(jnp.minimum(ch.carried.tau - rho, 0.0)), 0.0)
