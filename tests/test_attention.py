@@ -1,11 +1,12 @@
 """Linear attention over every kind, against an independent float64 computation of the same estimator
 (tests/reference.py: shares only ω and the fitted parameters), with the invariants no correct
-attention can break (on one kind per code path of the passes, FORMS), at hard inputs (norms up to 10·√D, bf16, padding, L = 1), outputs and gradients.
+attention can break (on one kind per code path of the passes, FORMS), at hard inputs (norms up to 10·√D,
+bf16, padding, L = 1), outputs and gradients.
 
-Gradients and repeatedly evaluated functions run under jax.jit, as in a model: run eagerly, each of
-their hundreds of operations is compiled as a program of its own, which was most of this file's time.
-Outputs are still checked from eager calls too (the passes compile themselves then:
-test_the_passes_inline_into_a_traced_caller_and_compile_when_eager)."""
+Calls, gradients and repeatedly evaluated functions run under jax.jit, as in a model (`call`: one
+program per instance and mode): run eagerly, each of their hundreds of operations is compiled as a
+program of its own, which was most of this file's time. Eager calls are checked on their own
+(test_the_passes_inline_into_a_traced_caller_and_compile_when_eager, the drop-in and redraw tests)."""
 
 import re
 
@@ -122,9 +123,25 @@ def context_of(attn, q, k, mask, rng, causal, stats=None, query_mask=None):
     return None
 
 
+_CALLS = {}
+
+
+def call(attn, causal):
+    """f(q, k, v, mask, rng, stats) -> (attn's outputs, the context the call fixed: context_of), under one
+    jax.jit per instance and mode, kept for the test process (with the instance, so that its id stays its
+    own). Run eagerly, the context's fit and draw (and a signed kind's floor) compile operation by
+    operation, a program for each operation and shape: most of the output tests' time."""
+    key = (id(attn), causal)
+    if key not in _CALLS:
+        _CALLS[key] = attn, jax.jit(lambda q, k, v, mask, rng, stats: (
+            attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats),
+            context_of(attn, q, k, mask, rng, causal, stats)))
+    return _CALLS[key][1]
+
+
 def check_against_reference(attn, q, k, v, mask, causal, rng=None, stats=None, rtol=2e-4, out_rtol=0.0):
-    out = attn(q, k, v, mask=mask, causal=causal, rng=rng, stats=stats)
-    ref, cond = reference.attention(attn, q, k, v, context_of(attn, q, k, mask, rng, causal, stats), mask, causal)
+    out, ctx = call(attn, causal)(q, k, v, mask, rng, stats)
+    ref, cond = reference.attention(attn, q, k, v, ctx, mask, causal)
     out = np.asarray(out, np.float64)
     bound = rtol * cond[..., None] + out_rtol * np.abs(ref) + 1e-30
     bad = np.abs(out - ref) > bound
@@ -132,14 +149,15 @@ def check_against_reference(attn, q, k, v, mask, causal, rng=None, stats=None, r
     return out
 
 
-def assert_close(attn, out, expect, q, k, v, mask=None, causal=False, stats=None, rng=None):
+def assert_close(attn, out, expect, q, k, v, mask=None, causal=False, stats=None, rng=None, ctx=None):
     """out ≈ expect to float32 rounding: 1e-4 relative for positive kinds; for sign-indefinite ones
     (trig, HRF), whose features cancel, rounding is amplified by the ratio's condition (reference.py),
-    so the tolerance is that condition times float32's resolution."""
+    so the tolerance is that condition times float32's resolution. `ctx`: the call's context (`call`),
+    else context_of's."""
     out, expect = np.asarray(out, np.float64), np.asarray(expect, np.float64)
     tol = 1e-5 + 1e-4 * np.abs(expect)
     if not getattr(attn, "positive", True):
-        ctx = context_of(attn, q, k, mask, rng, causal, stats)
+        ctx = context_of(attn, q, k, mask, rng, causal, stats) if ctx is None else ctx
         _, cond = reference.attention(attn, q, k, v, ctx, mask, causal)
         tol = tol + 2e-4 * cond[..., None]
     bad = np.abs(out - expect) > tol
@@ -197,11 +215,14 @@ def test_feature_maps_treat_rows_independently(kind):
     from its own input only (the fitted parameters and ω are fixed by the context)."""
     attn = make(kind)
     q, k, _ = qkv(lq=9, lk=9, seed=4)
-    ctx = context_of(attn, q, k, key_mask(), jax.random.PRNGKey(1), False)
-    x, y = attn.inputs(q, k)
-    for f, u in ((attn.query_map, x), (attn.key_map, y)):
-        whole = f(ctx, u)
-        parts = [f(ctx, u[:, :, i:i + 4]) for i in range(0, 9, 4)]
+
+    @jax.jit          # one program (eagerly every operation of the context and the maps is one of its own)
+    def maps(q, k, mask, rng):
+        ctx = context_of(attn, q, k, mask, rng, False)
+        x, y = attn.inputs(q, k)
+        return [(f(ctx, u), [f(ctx, u[:, :, i:i + 4]) for i in range(0, 9, 4)])
+                for f, u in ((attn.query_map, x), (attn.key_map, y))]
+    for whole, parts in maps(q, k, key_mask(), jax.random.PRNGKey(1)):
         for j, part in enumerate(zip(*parts)):
             if whole[j] is None:
                 assert all(p is None for p in part)
@@ -234,7 +255,7 @@ def test_auto_takes_the_exact_path_outside_the_fast_paths_guarantee():
     exceed = np.max(lk - lk[:, :1], axis=(1, 2))
     assert causal_lib._span(4, l) == l and np.all(exceed > causal_lib.FAST_EXCEEDANCE), exceed
     auto = check_against_reference(make("favor#", chunk_size=4), q, k, v, None, True, stats=stats)
-    exact = make("favor#", chunk_size=4, causal_path="exact")(q, k, v, causal=True, stats=stats)
+    exact, _ = call(make("favor#", chunk_size=4, causal_path="exact"), True)(q, k, v, None, None, stats)
     np.testing.assert_allclose(auto, np.asarray(exact, np.float64), rtol=1e-6, atol=1e-7)
 
 
@@ -263,7 +284,7 @@ def test_causal_spans_equal_the_reference_with_padding(kind):
         stats = calibration_stats(attn, 8)
         out = check_against_reference(attn, q, k, v, mask, True, stats=stats)
         np.testing.assert_array_equal(out[4], 0.0)
-        tail = attn(q[:, 11:], k, v, mask=mask, causal=True, stats=stats)
+        tail, _ = call(attn, True)(q[:, 11:], k, v, mask, None, stats)
         np.testing.assert_allclose(np.asarray(tail), out[:, 11:], rtol=1e-5, atol=1e-6)
 
 
@@ -303,7 +324,7 @@ def test_causal_position_zero_outputs_v0_at_large_norms(kind):
     d, l = 16, 12
     q, k, v = qkv(b=1, lq=l, lk=l, d=d, norms=np.linspace(1.0, 10.0 * d ** 0.5, l), seed=2)
     for kk in (k, k[:, ::-1]):                      # later keys large, or the first one
-        out = attn(q, kk, v, causal=True, stats=calibration_stats(attn, d))
+        out, _ = call(attn, True)(q, kk, v, None, None, calibration_stats(attn, d))
         np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(v[:, 0]), rtol=1e-5, atol=1e-5)
 
 
@@ -316,13 +337,13 @@ def test_identical_keys_give_the_mean_of_valid_values(kind, causal):
     k = jnp.broadcast_to(k[:, :1], k.shape)
     mask = jnp.ones((1, l), bool).at[0, 3].set(False)
     stats = calibration_stats(attn, d)
-    out = attn(q, k, v, mask=mask, causal=causal, stats=stats)
+    out, ctx = call(attn, causal)(q, k, v, mask, None, stats)
     vv = np.where(np.asarray(mask)[..., None, None], np.asarray(v), 0.0)
     if causal:
         expect = np.cumsum(vv, 1) / np.cumsum(np.asarray(mask), 1)[..., None, None]
     else:
         expect = np.broadcast_to(vv.sum(1, keepdims=True) / np.asarray(mask).sum(), vv.shape)
-    assert_close(attn, out, expect, q, k, v, mask, causal, stats)
+    assert_close(attn, out, expect, q, k, v, mask, causal, stats, ctx=ctx)
 
 
 @pytest.mark.parametrize("kind", FORMS)
@@ -344,8 +365,8 @@ def test_length_one(kind):
     q = jnp.abs(q)       # some positive coordinate, so ReLU's features are not all zero (0/0 gives 0)
     for causal in (False, True):
         stats = calibration_stats(attn, 8) if causal else None
-        out = attn(q, k, v, causal=causal, stats=stats)
-        assert_close(attn, out, v, q, k, v, None, causal, stats)
+        out, ctx = call(attn, causal)(q, k, v, None, None, stats)
+        assert_close(attn, out, v, q, k, v, None, causal, stats, ctx=ctx)
 
 
 # -- properties: the future and the padding never move anything ------------------------------------
@@ -424,7 +445,7 @@ def test_decoding_step_equals_causal_pass(kind):
     q, k, v = qkv(lq=l, lk=l, d=d, scale=1.5)
     valid = jnp.ones((2, l), bool).at[1, 3].set(False)
     stats = calibration_stats(attn, d)
-    full = attn(q, k, v, mask=valid, causal=True, stats=stats)
+    full, full_ctx = call(attn, True)(q, k, v, valid, None, stats)
     ctx = attn.decode_context(d, stats=stats) if isinstance(attn, attention.RandomFeatureAttention) else None
     state = attn.decode_init(2, 2, d, v.shape[-1])
     step = jax.jit(attn.decode_step)                    # as a generation loop runs it: one program a step
@@ -433,7 +454,7 @@ def test_decoding_step_equals_causal_pass(kind):
         o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
         outs.append(o)
         states.append(state)
-    assert_close(attn, jnp.concatenate(outs, 1), full, q, k, v, valid, True, stats)
+    assert_close(attn, jnp.concatenate(outs, 1), full, q, k, v, valid, True, stats, ctx=full_ctx)
     check_prefill(attn, states, q, k, v, ctx, valid, step, jnp.concatenate(outs, 1))
 
 
@@ -441,9 +462,11 @@ def check_prefill(attn, states, q, k, v, ctx, valid, step, outs):
     """A prompt's prefill (all its keys at once) leaves the state the loop had after as many tokens, at
     every prompt length (an empty one and one that ends on a padded token included), and decoding on
     from it gives the loop's outputs."""
-    prefill = jax.jit(attn.decode_prefill)
+    # the prefills of every prompt length in one program (a program per length was most of this test's time)
+    prefills = jax.jit(lambda k, v, ctx, valid: [attn.decode_prefill(k[:, :p], v[:, :p], ctx, valid[:, :p])
+                                                 for p in range(q.shape[1] + 1)])(k, v, ctx, valid)
     for p in range(q.shape[1] + 1):
-        state = prefill(k[:, :p], v[:, :p], ctx, valid[:, :p])
+        state = prefills[p]
         assert jax.tree.structure(state) == jax.tree.structure(states[p])
         for name in state:
             np.testing.assert_allclose(np.asarray(state[name]), np.asarray(states[p][name]), rtol=2e-5, atol=1e-6,
@@ -454,7 +477,7 @@ def check_prefill(attn, states, q, k, v, ctx, valid, step, outs):
     if not getattr(attn, "positive", True):
         _, cond = reference.attention(attn, q, k, v, ctx, valid, True, window=getattr(attn, "window", 0))
         atol = atol + 4 * np.finfo(np.float32).eps * cond[..., None]
-    state = prefill(k[:, :5], v[:, :5], ctx, valid[:, :5])
+    state = prefills[5]
     for t in range(5, q.shape[1]):
         o, state = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], ctx, valid=valid[:, t])
         o, want = np.asarray(o, np.float64), np.asarray(outs[:, t:t + 1], np.float64)
@@ -467,8 +490,8 @@ def test_causal_with_fewer_queries_aligns_them_to_the_last_keys(kind):
     attn = make(kind, chunk_size=4)
     q, k, v = qkv()            # L = 9, the reference tests' shapes; the last 4 queries start mid-chunk
     stats = calibration_stats(attn, 8)
-    full = attn(q, k, v, causal=True, stats=stats)
-    tail = attn(q[:, 5:], k, v, causal=True, stats=stats)
+    full, _ = call(attn, True)(q, k, v, None, None, stats)
+    tail, _ = call(attn, True)(q[:, 5:], k, v, None, None, stats)
     np.testing.assert_allclose(np.asarray(tail), np.asarray(full[:, 5:]), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="needs Lq ≤ Lk"):
         attn(q, k[:, :4], v[:, :4], causal=True, stats=stats)
@@ -574,7 +597,7 @@ def test_exact_zero_queries_and_keys_have_finite_gradients(kind):
 def test_cross_attention_shapes(kind):
     attn = make(kind)
     q, k, v = qkv(lq=5, lk=9, dv=3)
-    out = attn(q, k, v, mask=key_mask(lk=9), rng=jax.random.PRNGKey(0))
+    out, _ = call(attn, False)(q, k, v, key_mask(lk=9), jax.random.PRNGKey(0), None)
     assert out.shape == (2, 5, 2, 3) and np.all(np.isfinite(np.asarray(out)))
 
 
@@ -789,16 +812,20 @@ def test_plain_causal_path_of_elementwise_kinds(kind, phi):
     and the range check that picks it: normal features pass, features whose products underflow do not."""
     rng = np.random.default_rng(7)
     attn = make(kind)
+
+    def plain(q, k, v, mask, c):      # under jit: one program per case (eagerly, one per operation)
+        fq, fk = attn.phi(q), attn.phi(k)
+        return causal_lib.plain_features_safe(fq, fk, mask), causal_lib.causal_plain(fq, fk, v, mask, True, c)
+    plain = jax.jit(plain, static_argnums=4)
     for lq, lk, c, scale in ((1, 1, 4, 1.0), (9, 9, 4, 1.0), (7, 12, 4, 10.0), (33, 33, 8, 10.0)):
         q, k = (rng.normal(size=(2, n, 2, 8)) * scale for n in (lq, lk))
         v = rng.normal(size=(2, lk, 2, 3))
         mask = rng.random((2, lk)) > 0.3
         mask[1] = False
         to_bhld = lambda a: jnp.asarray(np.moveaxis(a, 1, 2), jnp.float32)
-        fq, fk = attn.phi(to_bhld(q)), attn.phi(to_bhld(k))
-        assert bool(causal_lib.plain_features_safe(fq, fk, jnp.asarray(mask)))
-        out = np.moveaxis(np.asarray(causal_lib.causal_plain(fq, fk, to_bhld(v), jnp.asarray(mask), True, c),
-                                     np.float64), 1, 2)
+        safe, out = plain(to_bhld(q), to_bhld(k), to_bhld(v), jnp.asarray(mask), c)
+        assert bool(safe)
+        out = np.moveaxis(np.asarray(out, np.float64), 1, 2)
         w = np.einsum("bihf,bjhf->bhij", phi(q), phi(k))
         seen = (np.arange(lq)[:, None] + lk - lq >= np.arange(lk)[None]) & mask[:, None, None, :]
         w = np.where(seen, w, 0.0)
@@ -972,7 +999,7 @@ def test_cumulative_is_the_running_reduction_and_reads_no_future(length):
              (jnp.maximum, -np.inf, np.maximum.accumulate(a, axis=2), 0.0),
              (jnp.minimum, np.inf, np.minimum.accumulate(a, axis=2), 0.0),
              (jnp.logaddexp, -np.inf, np.logaddexp.accumulate(a.astype(np.float64), axis=2), 1e-6))
-    run = jax.jit(linear.cumulative, static_argnums=(1, 2))
+    run = jax.jit(linear.cumulative, static_argnums=(1, 2))     # one program per reduction, for a and b
     for op, fill, expect, tol in cases:
         got = np.asarray(run(jnp.asarray(a), op, fill))
         np.testing.assert_allclose(got, expect, rtol=tol, atol=tol * np.abs(a).sum(2, keepdims=True).max())
@@ -981,7 +1008,7 @@ def test_cumulative_is_the_running_reduction_and_reads_no_future(length):
         b[:, :, cut:] = rng.normal(size=b[:, :, cut:].shape) * 1e6
         np.testing.assert_array_equal(np.asarray(run(jnp.asarray(b), op, fill))[:, :, :cut], got[:, :, :cut])
     flags = rng.random((2, 1, length)) < 0.1
-    np.testing.assert_array_equal(np.asarray(linear.cumulative(jnp.asarray(flags), jnp.logical_or, False)),
+    np.testing.assert_array_equal(np.asarray(run(jnp.asarray(flags), jnp.logical_or, False)),
                                   np.logical_or.accumulate(flags, axis=2))
 
 
@@ -991,13 +1018,14 @@ def test_cumulative_sum_is_the_running_sum_and_reads_no_future(length):
     earlier results unchanged bit for bit when every later element is replaced."""
     rng = np.random.default_rng(length)
     a = rng.normal(size=(2, 3, length, 4)).astype(np.float32)
+    run = jax.jit(linear.cumulative_sum, static_argnums=1)
     for axis in (2, -1):
         x = a if axis == 2 else np.swapaxes(a, 2, 3)
-        got = np.asarray(jax.jit(linear.cumulative_sum, static_argnums=1)(jnp.asarray(x), axis))
+        got = np.asarray(run(jnp.asarray(x), axis))
         np.testing.assert_allclose(got, np.cumsum(x.astype(np.float64), axis=axis), rtol=1e-5,
                                    atol=1e-5 * np.sqrt(length))
     b = a.copy()
     b[:, :, length // 2:] *= 1e6
     cut = length // 2
-    same = lambda z: np.asarray(linear.cumulative_sum(jnp.asarray(z)))[:, :, :cut]
+    same = lambda z: np.asarray(run(jnp.asarray(z), 2))[:, :, :cut]     # both from one program
     np.testing.assert_array_equal(same(b), same(a))

@@ -190,11 +190,20 @@ def forward(case, causal, **extra):
 
 
 # -- the float64 reference ---------------------------------------------------------------------------
+_CONTEXTS = {}
+
+
 def context(attn, q, k, mask, causal):
     """What favor's call fixed besides the inputs: the draw and fitted parameters (random-feature kinds),
-    None for the others (a learned map's weights come from its seed)."""
+    None for the others (a learned map's weights come from its seed). Under one jax.jit per instance and
+    mode, kept with the instance for the test process: run eagerly, the fit and the draw compile operation
+    by operation."""
     if isinstance(attn, attention.RandomFeatureAttention):
-        return attn.context(q, k, mask, RNG, None, None, None, stats_of(attn), causal)
+        key = (id(attn), causal)
+        if key not in _CONTEXTS:
+            _CONTEXTS[key] = attn, jax.jit(lambda q, k, mask, stats: attn.context(q, k, mask, RNG, None, None, None,
+                                                                                  stats, causal))
+        return _CONTEXTS[key][1](q, k, mask, stats_of(attn))
     return None
 
 
@@ -357,11 +366,14 @@ def test_each_document_equals_its_call_at_its_own_length(kind, causal):
     q, k, v = qkv(seed=1)
     packed, _ = run(q, k, v, MASK, SEG)
     _, cond = ref(attn, q, k, v, MASK, causal, SEG)
-    for b, row in enumerate(SPANS):
-        for s, e in row:
-            alone = forward(case, causal)(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], None, None)
-            assert_same(attn, packed[b:b + 1, s:e], alone, cond[b:b + 1, s:e],
-                        f"causal={causal} row {b} document [{s}, {e})")
+    docs = [(b, s, e) for b, row in enumerate(SPANS) for s, e in row]
+    # every document's call at its own length in one program (a program per length was this test's time)
+    stats = stats_of(attn)
+    calls = jax.jit(lambda q, k, v: [attn(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], mask=None, causal=causal,
+                                          rng=RNG, stats=stats, segment_ids=None) for b, s, e in docs])
+    for (b, s, e), alone in zip(docs, calls(q, k, v)):
+        assert_same(attn, packed[b:b + 1, s:e], alone, cond[b:b + 1, s:e],
+                    f"causal={causal} row {b} document [{s}, {e})")
 
 
 # -- 3. invariants ----------------------------------------------------------------------------------
