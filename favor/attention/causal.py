@@ -229,16 +229,18 @@ def _causal_span(query_map, key_map, ctx, c, path, carry, inputs):
     return (seen | jnp.any(jnp.isfinite(a), -1), new_tau, total), (out, scale)
 
 
-def select_exact(over, fast, exact):
+def select_exact(over, fast, exact, carried=None):
     """(out, scale, carry): the fast path's rows where `over` [B, H, S] is False, the exact path's
     (`exact()`, computed only when some row needs it: one lax.cond) where True, and the carry of the exact
-    path for a batch and head with any such row. So a key beyond the bound moves no output of an earlier
-    row, of another example or of another head, bit for bit. The carry is a pytree whose leaves lead with
-    [B, H] (a [B] leaf, the run of packed documents, is the same on both paths)."""
+    path for a batch and head with such a row among the rows of what the carry holds (`carried` [B, 1, S]:
+    packed documents carry the span's last document only; None: every row). So a key beyond the bound
+    moves no output of an earlier row, of another example, head or document, bit for bit. The carry is a
+    pytree whose leaves lead with [B, H] (a [B] leaf, the run of packed documents, is the same on both
+    paths)."""
     def taken():
         out, scale, carry = exact()
         pick = lambda e, f: jnp.where(jnp.reshape(over, over.shape + (1,) * (e.ndim - over.ndim)), e, f)
-        head = jnp.any(over, axis=-1)
+        head = jnp.any(over if carried is None else over & carried, axis=-1)
         moved = lambda e, f: e if e.ndim < 2 else jnp.where(jnp.reshape(head, head.shape + (1,) * (e.ndim - 2)), e, f)
         return pick(out, fast[0]), pick(scale, fast[1]), jax.tree.map(moved, carry, fast[2])
     return jax.lax.cond(jnp.any(over), taken, lambda: fast)

@@ -260,7 +260,9 @@ def causal_sums(query_map, key_map, ctx, x, y, v1, valid, rq, rk, chunk_size=CAU
                 a = jnp.max(lk - ref, axis=-1)
                 over = segmented(a, _expand(rk_s), jnp.maximum, NEG_INF)
                 over = jnp.where(_expand(rq_s == rk_s), over, NEG_INF) > FAST_EXCEEDANCE
-                out, scale, carry = select_exact(over, fast(ops, carry), lambda: exact(ops, carry))
+                # the carry holds the span's last document: the exact path's, where a row of it needs that path
+                last = _expand(rq_s == rk_s[:, -1:])
+                out, scale, carry = select_exact(over, fast(ops, carry), lambda: exact(ops, carry), last)
         return carry, (out, scale)
 
     inputs = (xs, ys, v1s, valids, rqs, rks)
