@@ -825,3 +825,18 @@ def test_a_document_pass_continues_from_the_carry_of_the_keys_before_it():
             err = float(np.max(np.abs(np.asarray(a - b))) / np.max(np.abs(np.asarray(b))))
             assert err < 1e-5, (s, name, err)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * np.max(np.abs(np.asarray(ref))))
+
+
+def test_a_bidirectional_call_with_more_queries_than_keys_flags_no_row():
+    """Bidirectional attention has no chunk form to exceed: `exceeded` is all False and has one entry per
+    query, also where the queries outnumber the keys (Lq = 40, Lk = 9), and the output meets the float64
+    reference."""
+    args = [np.asarray(a) for a in _log_linear_case(50, l=80)]
+    args[0], args[1] = args[0][:, :, :40], args[1][:, :, :40]
+    args[4], args[5], args[8] = args[4][:, :, :9], args[5][:, :, :9], args[8][:, :, :9]
+    args[9] = np.ones((1, 9), bool)
+    args[9][0, 3] = False
+    out, exceeded = _attend32(args, False, None)
+    assert exceeded.shape == (1, 2, 40) and not bool(jnp.any(exceeded))
+    want = _attend64(*args, False)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.max(np.abs(want)))

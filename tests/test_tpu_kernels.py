@@ -120,15 +120,19 @@ def test_tpu_kernel_equals_the_triton_path_kernels(causal):
         assert np.max(np.abs(a - b)) <= bound, (name, np.max(np.abs(a - b)))
 
 
-def test_tpu_kernel_attends_fewer_queries_than_keys():
-    """Bidirectional, Lq = 13 (one chunk) against Lk = 37 (three): each side cut and padded on its own."""
+@pytest.mark.parametrize("queries,keys", [((5, 18), (0, L)), ((0, L), (16, 25))], ids=["fewer", "more"])
+def test_tpu_kernel_attends_as_many_queries_as_it_is_given(queries, keys):
+    """Bidirectional, Lq = 13 (one chunk) against Lk = 37 (three), and Lq = 37 against Lk = 9: each side cut
+    and padded on its own, one exceedance flag (False) per query."""
     case = _case(12)
-    short = {**case, "xq": case["xq"][:, :, 5:18], "rq": case["rq"][:, :, 5:18]}
-    f32 = lambda k: jnp.asarray(short[k], jnp.float32)
-    out, exceeded = jax.jit(lambda *a: tpu.attend(*a, jnp.asarray(short["valid"]), False, cut=CUT))(
+    (q0, q1), (k0, k1) = queries, keys
+    sub = {**case, "xq": case["xq"][:, :, q0:q1], "rq": case["rq"][:, :, q0:q1], "valid": case["valid"][:, k0:k1],
+           **{name: case[name][:, :, k0:k1] for name in ("xk", "rk", "v")}}
+    f32 = lambda k: jnp.asarray(sub[k], jnp.float32)
+    out, exceeded = jax.jit(lambda *a: tpu.attend(*a, jnp.asarray(sub["valid"]), False, cut=CUT))(
         *(f32(k) for k in ("xq", "rq", "pq", "cq", "xk", "rk", "pk", "ck", "v")))
-    want = _attention64(**short, causal=False)
-    assert out.shape == want.shape and not bool(jnp.any(exceeded))
+    want = _attention64(**sub, causal=False)
+    assert out.shape == want.shape and exceeded.shape == want.shape[:3] and not bool(jnp.any(exceeded))
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5 * np.max(np.abs(want)))
 
 

@@ -1019,7 +1019,8 @@ def _pow2(n, least=16):
     return max(least, 1 << max(0, (int(n) - 1).bit_length()))
 
 
-def _pad_to(a, axis, size, value=0.0):
+def pad_to(a, axis, size, value=0.0):
+    """`a` padded at the end of `axis` to `size` with `value`."""
     axis = axis % a.ndim
     if a.shape[axis] == size:
         return a
@@ -1041,19 +1042,20 @@ def _padded_map(x, r, p, c, lp, fp):
     inputs and projection rows: exact), features to fp (zeros: the kernels mask the features past the
     map's own by their count, `Plan.features`), parameters with (batch, head) dims."""
     dp = _pow2(x.shape[-1])
-    return (_pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp), _pad_to(r.astype(F32), 2, lp),
-            _pad_to(_pad_to(feature_params(p.astype(F32), 2), 2, dp), 3, fp),
-            _pad_to(feature_params(c.astype(F32), 1), 2, fp))
+    return (pad_to(pad_to(x.astype(F32), 3, dp), 2, lp), pad_to(r.astype(F32), 2, lp),
+            pad_to(pad_to(feature_params(p.astype(F32), 2), 2, dp), 3, fp),
+            pad_to(feature_params(c.astype(F32), 1), 2, fp))
 
 
 def _padded_values(v, valid, lp):
     """Values padded to lp rows and Dv to a power of two; the key mask as 0/1 floats over lp (padding: 0)."""
     b, lk = v.shape[0], v.shape[2]
     valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
-    return _pad_to(_pad_to(v, 3, _pow2(v.shape[-1])), 2, lp), _pad_to(valid, 1, lp)
+    return pad_to(pad_to(v, 3, _pow2(v.shape[-1])), 2, lp), pad_to(valid, 1, lp)
 
 
-def _precision(precision):
+def precision_name(precision):
+    """A PRECISIONS name (None: PRECISION); another is a ValueError naming the valid ones."""
     precision = precision or PRECISION
     if precision not in PRECISIONS:
         raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
@@ -1075,7 +1077,7 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     warps, stages) instead of the mode's and precision's TUNING entry (`bench tune`).
     `runs` [B, L] int32 (favor.attention.documents.runs; Lq = Lk): packed documents, each query seeing
     only the keys of its own run (the document kernels: one segment, `segments` unused)."""
-    precision = _precision(precision)
+    precision = precision_name(precision)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if runs is not None:
@@ -1098,6 +1100,8 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     # parameters are constants of the kernel call (their cotangents are not computed)
     ops = (xq, rq, xk, rk, v, valid, *(jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck)))
     out, excess = _core(*ops, causal, (sq, sk), plan)
+    if not causal:                          # the bidirectional passes have no chunk form to exceed
+        return out[:, :, :lq, :dv], jnp.zeros((b, h, lq), bool)
     exceeded = linear.cumulative(excess, jnp.maximum, LOW) > EXCEEDANCE
     return out[:, :, :lq, :dv], exceeded[:, :, :lq]
 
@@ -1137,7 +1141,7 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
     log-denominator [B, H, L] (LOW: no key), exceeded [B, H, L] as `attend`'s: the rows at or after a key of
     their document beyond the bound). Differentiable in xq, rq, xk, rk, v and the carry's T (its τ is a
     stabiliser)."""
-    precision = _precision(precision)
+    precision = precision_name(precision)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     chunk, block, *launch = cut or tuning(True, precision)
@@ -1151,15 +1155,15 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
     xk, rk, pk, ck = _padded_map(xk, rk, pk, ck, lp, fp)
     v, valid = _padded_values(v, valid, lp)
     dvp = v.shape[-1]
-    qrun, krun = (_pad_to(jnp.asarray(r, jnp.int32), 1, lp, linear.NO_RUN) for r in (qrun, krun))
+    qrun, krun = (pad_to(jnp.asarray(r, jnp.int32), 1, lp, linear.NO_RUN) for r in (qrun, krun))
     if carry is None:
         tin, sin = jnp.full((b, h, fp), LOW, F32), jnp.zeros((b, h, fp, dvp), F32)
         zin, rin = jnp.zeros((b, h, fp), F32), jnp.full((b, 1), linear.NO_RUN, jnp.int32)
     else:
         seen, tau, total, run = carry
-        tin = _pad_to(jnp.where(seen[..., None], jax.lax.stop_gradient(tau).astype(F32), LOW), 2, fp, LOW)
-        sin = _pad_to(_pad_to(total[..., :dv].astype(F32), 3, dvp), 2, fp)
-        zin = _pad_to(total[..., dv].astype(F32), 2, fp)
+        tin = pad_to(jnp.where(seen[..., None], jax.lax.stop_gradient(tau).astype(F32), LOW), 2, fp, LOW)
+        sin = pad_to(pad_to(total[..., :dv].astype(F32), 3, dvp), 2, fp)
+        zin = pad_to(total[..., dv].astype(F32), 2, fp)
         rin = jnp.asarray(run, jnp.int32)[:, None]
     params = (jax.lax.stop_gradient(p) for p in (pq, cq, pk, ck))
     out, lden, excess = _doc_core(xq, rq, xk, rk, v, valid, qrun, krun, *params, tin, sin, zin, rin, plan)
@@ -1181,7 +1185,7 @@ def prefill(xk, rk, pk, ck, v, valid=None, interpret=None, segments=None, precis
     Σ_j exp(l_k(j) − τ)[v_j, 1] [B, H, F, Dv + 1]), decoding.decode_prefill's "tau" and "sum". Not
     differentiable (a prompt's prefill). Cut and launched as a bidirectional call (TUNING; `cut` as in
     `attend`)."""
-    precision = _precision(precision)
+    precision = precision_name(precision)
     chunk, block, *launch = cut or tuning(False, precision)
     b, h, lk, _ = xk.shape
     dv, f = v.shape[-1], pk.shape[-1]

@@ -69,7 +69,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor.attention import linear
-from favor.attention.fused import EXCEEDANCE, LOW, PRECISION, PRECISIONS, combine_blocks, feature_params
+from favor.attention.fused import (EXCEEDANCE, LOW, PRECISIONS, combine_blocks, feature_params, pad_to,
+                                   precision_name)
 
 F32 = jnp.float32
 LANES = 128       # a vreg's lanes: D, Dv and F pad to multiples of it
@@ -248,11 +249,6 @@ def _as_row(col):
     return jnp.sum(jnp.where(_iota((c, c), 0) == _iota((c, c), 1), col, 0.0), axis=0, keepdims=True)
 
 
-def _guard(den):
-    """An exact 0 (no valid key, or no feature mass) divides as 1: the row outputs 0 with finite gradients."""
-    return jnp.maximum(jnp.where(den == 0, 1.0, den), linear.TINY)
-
-
 def _log_den(den, shift):
     return jnp.where(den > 0, jnp.log(jnp.maximum(den, 1e-37)) + shift, LOW)
 
@@ -314,7 +310,7 @@ def _bidir_fwd_kernel(queries, state, out, *, plan):
     mm, real = _products(plan.products), _real(plan)
     beta, fq = _query_factors(mm, queries, state.tau[...], real)
     den = jnp.sum(fq * state.z[...], axis=1, keepdims=True)
-    out.o[...] = mm.nt(fq, state.s[...]) / _guard(den)
+    out.o[...] = mm.nt(fq, state.s[...]) / linear.guard(den, True)
     out.lden[...] = _log_den(den, beta)
 
 
@@ -422,7 +418,7 @@ def _causal_fwd_kernel(queries, keys, values, out, carry, *, plan):
     s = jnp.where(ch.tri, mm.nt(ch.fq, ch.fk), 0.0)
     num = (mm.nt(ch.fq, carry.s[...]) + mm.nn(s, ch.v * ch.w)) * scale
     den = (jnp.sum(ch.fq * carry.z[...], axis=1, keepdims=True) + jnp.sum(s * ch.w_row, axis=1, keepdims=True)) * scale
-    out.o[...] = num / _guard(den)
+    out.o[...] = num / linear.guard(den, True)
     # log of the true denominator Σ_j φ_q(i)·φ_k(j): what the backward pass divides by
     out.lden[...] = jnp.where(has, _log_den(den, alpha + ch.beta), LOW)
     out.tau[...] = tau0
@@ -599,28 +595,12 @@ def _round_up(n, m):
     return -(-int(n) // m) * m
 
 
-def _pad_to(a, axis, size):
-    axis = axis % a.ndim
-    if a.shape[axis] == size:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, size - a.shape[axis])
-    return jnp.pad(a, pad)
-
-
 def _padded_map(x, r, p, c, lp, dp, fp):
     """One side's map padded for the kernels: rows to lp and D to dp (zeros), r as a [B, H, lp, 1] column,
     P [B', H', dp, fp] and c [B', H', 1, fp] with (batch, head) dims, features to fp (zeros: masked by index)."""
-    return Map(_pad_to(_pad_to(x.astype(F32), 3, dp), 2, lp), _pad_to(r.astype(F32), 2, lp)[..., None],
-               _pad_to(_pad_to(feature_params(p.astype(F32), 2), 2, dp), 3, fp),
-               _pad_to(feature_params(c.astype(F32), 1), 2, fp)[:, :, None, :])
-
-
-def _precision(precision):
-    precision = precision or PRECISION
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown kernel precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-    return precision
+    return Map(pad_to(pad_to(x.astype(F32), 3, dp), 2, lp), pad_to(r.astype(F32), 2, lp)[..., None],
+               pad_to(pad_to(feature_params(p.astype(F32), 2), 2, dp), 3, fp),
+               pad_to(feature_params(c.astype(F32), 1), 2, fp)[:, :, None, :])
 
 
 def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpret=None, precision=None, cut=None):
@@ -632,7 +612,7 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     Causal needs Lq = Lk. Differentiable in xq, rq, xk, rk, v (not in the parameters). `interpret` None: on CPU
     (Pallas TPU interpret mode). `precision`: a fused.PRECISIONS name (None: fused.PRECISION), mapped by
     MOSAIC_PRODUCTS. `cut`: (chunk, feature block) instead of TUNING's (chunk a multiple of 8, block of 128)."""
-    precision = _precision(precision)
+    precision = precision_name(precision)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     chunk, block = cut or TUNING["causal" if causal else "bidirectional"]
@@ -652,9 +632,11 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     queries = _padded_map(xq, rq, pq, cq, lqp, _round_up(d, LANES), fp)
     keys = _padded_map(xk, rk, pk, ck, lkp, _round_up(xk.shape[-1], LANES), fp)
     valid = jnp.ones((b, lk), F32) if valid is None else jnp.asarray(valid, bool).astype(F32)
-    values = Values(_pad_to(_pad_to(v.astype(F32), 3, _round_up(dv, LANES)), 2, lkp), _pad_to(valid, 1, lkp)[..., None])
+    values = Values(pad_to(pad_to(v.astype(F32), 3, _round_up(dv, LANES)), 2, lkp), pad_to(valid, 1, lkp)[..., None])
     # parameters are constants of the kernel call (their cotangents are not computed)
     fixed = lambda m: m._replace(p=jax.lax.stop_gradient(m.p), c=jax.lax.stop_gradient(m.c))
     out, excess = _core(fixed(queries), fixed(keys), values, bool(causal), plan)
+    if not causal:                          # the bidirectional passes have no chunk form to exceed
+        return out[:, :, :lq, :dv], jnp.zeros((b, h, lq), bool)
     exceeded = linear.cumulative(excess, jnp.maximum, LOW) > EXCEEDANCE
     return out[:, :, :lq, :dv], exceeded[:, :, :lq]
