@@ -183,17 +183,26 @@ def test_attention_split_over_the_sequence_axis_equals_the_unsplit_call(part):
 
 
 FUSED_SCRIPT = INPUTS + r"""
-from favor.attention import fused, sequence
+from favor.attention import fused, kinds, sequence, tpu
+# "tpu": the kernels' backend replaced by a TPU, so each device runs the Mosaic document kernels (in TPU
+# interpret mode on this CPU); the kernel's own result only (the fallback's choice is the backend's alike)
+on_tpu = sys.argv[1] == "tpu"
+if on_tpu:
+    kinds.kernel_backend = lambda: "tpu"
+    # TPU interpret mode runs the kernel through callbacks, which a shard_map takes only when every mesh axis
+    # is manual: the sequence axis alone (4 devices, no data axis beside it)
+    mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+module = tpu if on_tpu else fused
 passes = {"n": 0}
-pass_ = fused.document_pass
+pass_ = module.document_pass
 def counted(*a, **kw):
     passes["n"] += 1
     return pass_(*a, **kw)
-fused.document_pass = counted
+module.document_pass = counted
 shard = sequence._fused_shard
 xla, kernel = attention.get("favor+", num_features=16), attention.get("favor+", num_features=16, impl="pallas")
 out = {}
-for scale, forced in ((2.0, True), (6.0, False)):
+for scale, forced in ((2.0, True),) + (() if on_tpu else ((6.0, False),)):
     qs, ks_ = q.at[0, 17:40].multiply(scale), k.at[0, 17:40].multiply(scale)
     # forced: the kernel's result even where a key exceeds its chunk form (the inputs at 2x have none); at 6x
     # the fallback decides, the same on every device
@@ -213,16 +222,18 @@ print("RESULT" + json.dumps({"cases": out, "passes": passes["n"]}))
 """
 
 
-def test_the_fused_kernel_runs_on_each_device_from_the_carry_of_the_others():
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_the_fused_kernel_runs_on_each_device_from_the_carry_of_the_others(backend):
     """impl='pallas' over the sequence axis: each device's fused document passes enter with the folded
     carry of the other devices' keys (bidirectional: and the reversed pass over keys crossing from the next
     device), equal to the unsplit XLA call in outputs and gradients, documents and padding crossing the
     boundaries; the kernel's result itself (forced past the fallback, no key exceeding it at these norms),
     and where a key exceeds the kernel's chunk form (a document at 6x) the XLA fallback, chosen the same way
-    on every device."""
-    result = _run(FUSED_SCRIPT, 8)
+    on every device. The Triton path's kernels, and the TPU's (the backend replaced, the Mosaic kernels in
+    TPU interpret mode)."""
+    result = _run(FUSED_SCRIPT, 8, backend)
     assert result["passes"] > 0, "the fused kernel was never traced"
-    assert len(result["cases"]) == 3
+    assert len(result["cases"]) == (2 if backend == "tpu" else 3)
     for key, r in result["cases"].items():
         assert r["out"] < 2e-5, f"{key}: outputs off by {r['out']:.2e} relative"
         assert r["grad"] < 5e-5, f"{key}: gradients off by {r['grad']:.2e} relative"

@@ -292,34 +292,38 @@ def test_tpu_document_pass_and_prefill_lower_for_tpus():
 
 def test_impl_pallas_on_a_tpu_runs_the_tpu_kernels(monkeypatch):
     """With the kernels' backend a TPU (replaced here; the Mosaic kernels then run in TPU interpret mode on this
-    CPU), impl='pallas' runs favor.attention.tpu and gives favor's XLA pass, and the calls the TPU kernels do
-    not cover yet (packed documents, the sequence axis) are one line naming impl='auto'; 'auto' stays on XLA
-    (no TPU measurement in AUTO_FUSED), and a prompt's prefill runs on XLA."""
+    CPU), impl='pallas' runs favor.attention.tpu for plain calls, packed documents (both modes) and a prompt's
+    prefill, and gives favor's XLA pass; 'auto' stays on XLA (no TPU measurement in AUTO_FUSED)."""
     from favor import attention
     from favor.attention import kinds
     monkeypatch.setattr(kinds, "kernel_backend", lambda: "tpu")
-    calls = []
-    traced = tpu.attend
-    monkeypatch.setattr(tpu, "attend", lambda *a, **kw: calls.append(1) or traced(*a, **kw))
+    calls = {"attend": 0, "document_pass": 0, "prefill": 0}
+
+    def counted(name):
+        traced = getattr(tpu, name)
+        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or traced(*a, **kw)
+
+    for name in calls:
+        monkeypatch.setattr(tpu, name, counted(name))
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 24, 1, 8)) * 0.5, jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.repeat([0, 1, 2], [9, 10, 5])[None], jnp.int32)
     kernel, xla = (attention.get("favor+", num_features=32, impl=impl, redraw="fixed") for impl in ("pallas", "xla"))
     for causal in (False, True):
-        got = jax.jit(lambda q, k, v: kernel(q, k, v, causal=causal))(q, k, v)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(xla(q, k, v, causal=causal)), rtol=2e-5, atol=2e-6)
-    assert len(calls) == 2
-    with pytest.raises(ValueError, match="^favor\\+: impl='pallas' on a TPU runs calls without segment_ids .* "
-                                         "impl='auto' or 'xla' runs it on XLA$"):
-        kernel(q, k, v, causal=True, segment_ids=jnp.zeros((1, 24), jnp.int32))
-    with pytest.raises(ValueError, match="on a TPU runs calls without the sequence mesh axis"):
-        kernel.sequence_fused()
+        for ids in (None, seg):
+            got = jax.jit(lambda q, k, v: kernel(q, k, v, causal=causal, segment_ids=ids))(q, k, v)
+            want = xla(q, k, v, causal=causal, segment_ids=ids)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    # documents: one pass causal, two bidirectional (the reversed sequence's)
+    assert calls == {"attend": 2, "document_pass": 3, "prefill": 0}, calls
+    assert kernel.sequence_fused()
     assert not attention.get("favor+", num_features=32).uses_fused(True, q, k)
     ctx = kernel.decode_context(8)
     state = kernel.decode_prefill(k, v, ctx)
     want = xla.decode_prefill(k, v, ctx)
     for name in ("tau", "sum"):
         np.testing.assert_allclose(np.asarray(state[name]), np.asarray(want[name]), rtol=1e-6, atol=1e-6)
-    assert len(calls) == 2
+    assert calls["prefill"] == 1
 
 
 # -- packed documents (document_pass) and prefill ---------------------------------------------------------

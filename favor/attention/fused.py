@@ -1081,7 +1081,8 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if runs is not None:
-        return _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, bool(interpret), precision, cut)
+        return packed(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, document_pass,
+                      interpret=bool(interpret), precision=precision, cut=cut)
     chunk, block, *launch = cut or tuning(causal, precision)
     b, h, lq, _ = xq.shape
     lk, dv = xk.shape[2], v.shape[-1]
@@ -1106,10 +1107,11 @@ def attend(xq, rq, pq, cq, xk, rk, pk, ck, v, valid=None, causal=False, interpre
     return out[:, :, :lq, :dv], exceeded[:, :, :lq]
 
 
-def _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, interpret, precision, cut):
-    """`attend` with documents. Causal: one pass of the document kernels. Bidirectional: that pass and the
-    pass over the reversed sequence with its keys shifted by one slot (so each query sees the keys after
-    it), combined by their log-denominators: what favor.attention.documents does on XLA, as a state per
+def packed(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, one_pass, **options):
+    """`attend` with documents, from `one_pass` (`document_pass` here, favor.attention.tpu's on a TPU, called
+    with `options`). Causal: one pass of the document kernels. Bidirectional: that pass and the pass over
+    the reversed sequence with its keys shifted by one slot (so each query sees the keys after it),
+    combined by their log-denominators: what favor.attention.documents does on XLA, as a state per
     document would need the documents' count, which only the data knows."""
     b, h, l, _ = xq.shape
     if xk.shape[2] != l or runs.shape != (b, l):
@@ -1117,8 +1119,7 @@ def _documents(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal, runs, interpret
                          f"{l}, Lk = {xk.shape[2]}, runs {tuple(runs.shape)}")
     runs = jnp.asarray(runs, jnp.int32)
     valid = jnp.ones((b, l), bool) if valid is None else jnp.asarray(valid, bool)
-    one = functools.partial(document_pass, pq=pq, cq=cq, pk=pk, ck=ck, interpret=interpret, precision=precision,
-                            cut=cut)
+    one = functools.partial(one_pass, pq=pq, cq=cq, pk=pk, ck=ck, **options)
     out, lden, exceeded = one(xq, rq, xk=xk, rk=rk, v=v, valid=valid, qrun=runs, krun=runs)
     if causal:
         return out, exceeded

@@ -376,7 +376,7 @@ class FeatureAttention(Attention, abc.ABC):
         if self.sequence_fused():
             forms = lambda ctx, x, y: (self.mech.query_log_linear(x, ctx.draw, ctx.params),
                                        self.mech.key_log_linear(y, ctx.draw, ctx.params))
-            extra = {"fused": {"forms": forms, "precision": self.kernel_precision}}
+            extra = {"fused": {"forms": forms, "precision": self.kernel_precision, "pass": document_kernel()}}
         out = sequence.linear(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, runs, self.positive, causal,
                               self.chunk_size or causal_lib.CAUSAL_CHUNK, path, self.causal_span, **extra)
         return _to_bhld(out).astype(v.dtype)
@@ -618,6 +618,11 @@ KERNEL_BACKENDS = ("gpu", "tpu", "cpu")
 def kernel_backend():
     """The backend the kernels run on (jax.default_backend(); one place, which tests can replace)."""
     return jax.default_backend()
+
+
+def document_kernel():
+    """The backend's pass of the document kernels (fused.document_pass's contract): Mosaic's on a TPU."""
+    return tpu.document_pass if kernel_backend() == "tpu" else fused.document_pass
 SOFTMAX_IMPLS = ("auto", "xla", "cudnn")
 AUTO_FUSED = {"gpu": {"bidirectional": 4096, "causal": 16384}}
 
@@ -820,16 +825,10 @@ class RandomFeatureAttention(FeatureAttention):
                              f"through Triton on a GPU and Mosaic on a TPU, and run in interpret mode on a CPU), "
                              f"not on {kernel_backend()}; impl='xla' runs there")
 
-    def _check_tpu(self, what):
-        if kernel_backend() == "tpu":
-            raise ValueError(f"{self.name}: impl={self.impl!r} on a TPU runs calls without {what} (the TPU kernels "
-                             f"for it are not written); impl='auto' or 'xla' runs it on XLA")
-
     def sequence_fused(self):
         if not self.impl.startswith("pallas"):
             return False
         self._check_backend()
-        self._check_tpu("the sequence mesh axis")
         return True
 
     def _fused_call(self, q, k, v, mask, causal, ctx, runs=None):
@@ -837,12 +836,13 @@ class RandomFeatureAttention(FeatureAttention):
         xq, rq, pq, cq = self.mech.query_log_linear(x, ctx.draw, ctx.params)
         xk, rk, pk, ck = self.mech.key_log_linear(y, ctx.draw, ctx.params)
         vv = _to_bhld(v)
-        if kernel_backend() == "tpu":
-            # Mosaic's kernels (favor.attention.tpu); packed documents are refused before this
-            out, exceeded = tpu.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal, precision=self.kernel_precision)
+        forms = (xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal)
+        if runs is not None:
+            out, exceeded = fused.packed(*forms, runs, document_kernel(), precision=self.kernel_precision)
+        elif kernel_backend() == "tpu":
+            out, exceeded = tpu.attend(*forms, precision=self.kernel_precision)         # Mosaic's kernels
         else:
-            out, exceeded = fused.attend(xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal,
-                                         precision=self.kernel_precision, runs=runs)
+            out, exceeded = fused.attend(*forms, precision=self.kernel_precision)
         if causal or runs is not None:
             # the rows past a key beyond its chunk's reference by more than the chunk form allows (in their
             # own batch and head, and document; documents: both modes are causal passes) take favor's XLA
@@ -872,7 +872,6 @@ class RandomFeatureAttention(FeatureAttention):
             if (sequence.axis_size() == 1 and self.impl.startswith("pallas") and q.shape[1] == k.shape[1]
                     and self.uses_fused(causal, q, k)):
                 check_qkv(q, k, v, mask, query_mask)
-                self._check_tpu("segment_ids")
                 runs = document_runs(segment_ids, q, k, causal)
                 ctx = self.context(q, k, mask, rng, step, query_mask, draw, stats, causal)
                 return self._fused_call(q, k, v, mask, causal, ctx, runs)
@@ -908,10 +907,10 @@ class RandomFeatureAttention(FeatureAttention):
 
     def decode_prefill(self, k, v, ctx=None, valid=None, segment_ids=None):
         valid = last_document(valid, segment_ids, k)
-        # the prefill kernel is Triton's (a TPU prefills on XLA)
-        if k.shape[1] and self.uses_fused(False, k, k) and kernel_backend() != "tpu":
+        if k.shape[1] and self.uses_fused(False, k, k):
             _, y = self.scaled(k, k)
-            tau, total = fused.prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid,
+            prefill = tpu.prefill if kernel_backend() == "tpu" else fused.prefill
+            tau, total = prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid,
                                        precision=self.kernel_precision)
             return {"tau": tau, "sum": total}
         return super().decode_prefill(k, v, ctx, valid)

@@ -250,10 +250,10 @@ def _band(bx, by, v1, valid, runs, window, causal, n, log_mix):
     return window_lib.band_part((out[:, :, window:window + l], m[:, :, window:window + l]), log_mix)
 
 
-def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision):
+def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision, one_pass):
     """(out [B, H, Lc, Dv], exceeded [B, H, Lc]: the rows to take from the exact path, as fused.attend's) of
     the fused kernel's document
-    passes (favor.attention.fused.document_pass) over one device's tokens, each entering with the carry
+    passes (`one_pass`: fused.document_pass, or the TPU's) over one device's tokens, each entering with the carry
     of the other devices' keys: their log-features (forms(ctx, x, y): the kind's log-linear forms) reduced
     per device to its last document's state, all-gathered and folded as the XLA pass does; bidirectional
     adds the reversed pass over keys moved one position earlier, combined by the log-denominators."""
@@ -269,8 +269,8 @@ def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision):
         return _fold(_gather(state, first, last), me, n, before)
 
     def run(xq, rq, xk, rk, v, valid, qrun, krun, before):
-        return fused_lib.document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun,
-                                       carry(xk, rk, v, valid, krun, before), precision=precision)
+        return one_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry(xk, rk, v, valid, krun, before),
+                        precision=precision)
 
     out, lden, exceeded = run(xq, rq, xk, rk, v, valid, runs, runs, True)
     if not causal:
@@ -292,10 +292,12 @@ def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal
     (the runs of the whole sequence: documents.runs before sharding) -> [B, H, Lc, Dv]. A sign-indefinite
     kind (not `positive`; x and y arrays, the kernel's inputs) gets its floor over the whole sequence.
     `window` > 0: the exact band (`band`: its inputs (x, y), `log_mix`: the learned mix) and the estimate
-    beyond it, as favor.attention.window. `fused` {"forms", "precision"}: the fused kernel (`_fused_shard`),
+    beyond it, as favor.attention.window. `fused` {"forms", "precision", "pass"}: the fused kernel (`_fused_shard`; "pass" the backend's
+    fused.document_pass),
     with this XLA pass's output in the rows past a key that exceeds the kernel's chunk form."""
     if fused is not None:
-        out, exceeded = _fused_shard(fused["forms"], ctx, x, y, v, valid, runs, causal, n, fused["precision"])
+        out, exceeded = _fused_shard(fused["forms"], ctx, x, y, v, valid, runs, causal, n, fused["precision"],
+                                     fused["pass"])
         xla = lambda: jnp.where(exceeded[..., None], linear_shard(
             query_map, key_map, ctx, x, y, v, valid, runs, positive, causal, chunk_size, path, span, n).astype(F32),
             out)
