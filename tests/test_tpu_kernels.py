@@ -23,23 +23,30 @@ B, H, L, D, F, DV = 2, 1, 37, 8, 200, 5     # L: 3 chunks, the last part padding
 LEAD = 20                 # batch 1's leading run of padded keys: its first chunk holds no key at all
 
 
+def _maps(rng, shape, growth, spread):
+    """Random log-linear maps log φ = x·P + c + r with r = −½||x||² (FAVOR+'s form) over `shape` (B, H, L, D),
+    the norms growing along the sequence to `growth` so the references move from chunk to chunk; P's entries
+    of scale `spread`, values [B, H, L, DV] and every key valid."""
+    b, h, l, d = shape
+    scale = np.linspace(0.3, growth, l)[None, None, :, None]
+    xq, xk = (rng.standard_normal(shape) * scale for _ in range(2))
+    p = rng.standard_normal((h, d, F)) * spread
+    c = rng.standard_normal((h, F)) * 0.3
+    v = rng.standard_normal((b, h, l, DV))
+    return dict(xq=xq, rq=-0.5 * np.sum(xq ** 2, -1), pq=p, cq=c, xk=xk, rk=-0.5 * np.sum(xk ** 2, -1), pk=p, ck=c,
+                v=v, valid=np.ones((b, l), bool))
+
+
 def _case(seed, growth=1.5):
-    """Random log-linear maps log φ = x·P + c + r with r = −½||x||² (FAVOR+'s form), the norms growing along
-    the sequence so the references move from chunk to chunk; keys padded at the end and in the middle (batch 0),
-    a leading run of LEAD and one in the middle (batch 1)."""
-    rng = np.random.default_rng(seed)
-    scale = np.linspace(0.3, growth, L)[None, None, :, None]
-    xq, xk = (rng.standard_normal((B, H, L, D)) * scale for _ in range(2))
-    p = rng.standard_normal((H, D, F)) * 0.7
-    c = rng.standard_normal((H, F)) * 0.3
-    v = rng.standard_normal((B, H, L, DV))
-    mask = np.ones((B, L), bool)
+    """`_maps` at B, H, L, D; keys padded at the end and in the middle (batch 0), a leading run of LEAD and one
+    in the middle (batch 1)."""
+    case = _maps(np.random.default_rng(seed), (B, H, L, D), growth, 0.7)
+    mask = case["valid"]
     mask[0, -3:] = False
     mask[0, 20] = False
     mask[1, :LEAD] = False
     mask[1, 25] = False
-    return dict(xq=xq, rq=-0.5 * np.sum(xq ** 2, -1), pq=p, cq=c, xk=xk, rk=-0.5 * np.sum(xk ** 2, -1), pk=p, ck=c,
-                v=v, valid=mask)
+    return case
 
 
 def _attention64(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, causal):
@@ -346,20 +353,14 @@ def _ids(starts, l):
 def _doc_case(seed, l=DL, starts=DOC_STARTS, growth=1.2):
     """`_case`'s maps at DB, DH, l, DD (F = 200: two blocks of 128), the documents `starts`, padding as above
     (for l = DL) and runs [B, l] (documents.runs of the ids)."""
-    rng = np.random.default_rng(seed)
-    scale = np.linspace(0.3, growth, l)[None, None, :, None]
-    xq, xk = (rng.standard_normal((DB, DH, l, DD)) * scale for _ in range(2))
-    p = rng.standard_normal((DH, DD, F)) * 0.5
-    c = rng.standard_normal((DH, F)) * 0.3
-    v = rng.standard_normal((DB, DH, l, DV))
-    mask = np.ones((DB, l), bool)
+    case = _maps(np.random.default_rng(seed), (DB, DH, l, DD), growth, 0.5)
+    mask = case["valid"]
     if l == DL:
         mask[0, [20, 43, 44]] = False
         mask[1, :7] = False
         mask[1, [33, 42, 43, 44]] = False
     runs = np.asarray(documents.runs(jnp.asarray(_ids(starts, l))))
-    return dict(xq=xq, rq=-0.5 * np.sum(xq ** 2, -1), pq=p, cq=c, xk=xk, rk=-0.5 * np.sum(xk ** 2, -1), pk=p, ck=c,
-                v=v, valid=mask, qrun=runs, krun=runs)
+    return dict(case, qrun=runs, krun=runs)
 
 
 def _no_carry(b=DB, h=DH, f=F, dv=DV):
