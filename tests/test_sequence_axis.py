@@ -207,7 +207,9 @@ for scale, forced in ((2.0, True),) + (() if on_tpu else ((6.0, False),)):
     # forced: the kernel's result even where a key exceeds its chunk form (the inputs at 2x have none); at 6x
     # the fallback decides, the same on every device
     sequence._fused_shard = (lambda *a: (shard(*a)[0], jnp.asarray(False))) if forced else shard
-    for causal in ((True, False) if forced else (True,)):
+    # the TPU's: causal only (the bidirectional composition around the pass is the backend's alike, and the
+    # TPU pass with shifted key runs is tests/test_tpu_kernels.py's)
+    for causal in ((True, False) if forced and not on_tpu else (True,)):
         f = lambda a: (lambda q, k, v: a(q, k, v, mask=mask, causal=causal, rng=jax.random.key(1), segment_ids=seg))
         both = lambda g: jax.jit(lambda q, k, v: (g(q, k, v), jax.grad(
             lambda *x: jnp.sum(g(*x) * lin * mask[:, :, None, None]), argnums=(0, 1, 2))(q, k, v)))
@@ -230,10 +232,10 @@ def test_the_fused_kernel_runs_on_each_device_from_the_carry_of_the_others(backe
     boundaries; the kernel's result itself (forced past the fallback, no key exceeding it at these norms),
     and where a key exceeds the kernel's chunk form (a document at 6x) the XLA fallback, chosen the same way
     on every device. The Triton path's kernels, and the TPU's (the backend replaced, the Mosaic kernels in
-    TPU interpret mode)."""
+    TPU interpret mode; causal, forced)."""
     result = _run(FUSED_SCRIPT, 8, backend)
     assert result["passes"] > 0, "the fused kernel was never traced"
-    assert len(result["cases"]) == (2 if backend == "tpu" else 3)
+    assert len(result["cases"]) == (1 if backend == "tpu" else 3)
     for key, r in result["cases"].items():
         assert r["out"] < 2e-5, f"{key}: outputs off by {r['out']:.2e} relative"
         assert r["grad"] < 5e-5, f"{key}: gradients off by {r['grad']:.2e} relative"
