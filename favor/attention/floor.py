@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from favor.kernels.base import pytree_dataclass
-from favor.attention.linear import F32, NEG_INF, NO_RUN, _divide, cumulative, cumulative_sum, guard, segmented, sg
+from favor.attention.linear import (F32, NEG_INF, NO_RUN, _divide, cumulative, cumulative_sum, guard, segmented,
+                                   segmented_all, sg)
 
 # The least bound, on a row's own scale, that floored_ratio divides by: every stabilised term is ≤ 1, so
 # the numerator is below L·F·max|v| and its quotient stays finite in float32 (an inf there would turn a
@@ -145,8 +146,7 @@ def document_stats(y, v, w, runs, nk=None):
     parts = {"y": y * w, "v": v * w, "n": ones, "low": jnp.where(w > 0, v, _BIG), "high": jnp.where(w > 0, v, -_BIG)}
     if nk is not None:
         parts["mass"] = nk
-    return {name: segmented(a, runs[:, None, :, None] if a.ndim == 4 else runs[:, None], *STAT_OPS[name], axis=2)
-            for name, a in parts.items()}
+    return segmented_all(parts, runs[:, None, :, None], {name: STAT_OPS[name][0] for name in parts}, axis=2)
 
 
 def whole_document(a, runs):

@@ -236,13 +236,28 @@ def segmented(a, r, op, fill, axis=-1):
     doubling steps over whole arrays made the floor's per-document statistics cost 6× the pass they
     floor: CPU, L = 2048.)"""
     del fill
-    axis = axis % a.ndim
-    r = jnp.expand_dims(r, tuple(range(a.ndim - r.ndim)))
-    # the scan interleaves each leaf on its own: `a` takes the shape its values take once r broadcasts
-    a = jnp.broadcast_to(a, jnp.broadcast_shapes(a.shape, r.shape))
+    return segmented_all({"a": a}, jnp.expand_dims(r, tuple(range(a.ndim - r.ndim))), {"a": op}, axis)["a"]
+
+
+def segmented_all(parts, r, ops, axis=-1):
+    """`segmented` of every array of the dict `parts` at once, each under its op (`ops`, by name), all
+    restarting at the runs r (which broadcasts against each; leading axes r lacks are added): one scan,
+    whose run comparisons every array shares, where one scan per array would repeat them."""
+    ndim = max(a.ndim for a in parts.values())
+    r = jnp.expand_dims(r, tuple(range(ndim - r.ndim)))
+    axis = axis % ndim
+
+    def ranked(x, n):
+        # r (or a comparison of runs) as an array of n dims: its trailing axes beyond n (of size 1) dropped
+        return x if x.ndim == n else jnp.reshape(x, x.shape[:n])
+
+    # the scan interleaves each leaf on its own: each array takes the shape its values take once r broadcasts
+    parts = {name: jnp.broadcast_to(a, jnp.broadcast_shapes(a.shape, ranked(r, a.ndim).shape))
+             for name, a in parts.items()}
 
     def combine(left, right):
         (r1, v1), (r2, v2) = left, right
-        return r2, jnp.where(r1 == r2, op(v1, v2), v2)
+        same = r1 == r2
+        return r2, {name: jnp.where(ranked(same, v.ndim), ops[name](v1[name], v), v) for name, v in v2.items()}
 
-    return jax.lax.associative_scan(combine, (r, a), axis=axis)[1]
+    return jax.lax.associative_scan(combine, (r, parts), axis=axis)[1]
