@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from favor.attention import documents, fused as fused_lib, window as window_lib
 from favor.attention.causal import CAUSAL_CHUNK
 from favor.attention.floor import STAT_OPS, document_stats, floor_of, log_norm_bounds, ratio, whole_document
-from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, ones_column, segmented, sg
+from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, finite_or, ones_column, segmented, sg
 
 AXIS = "sequence"
 BATCH_AXES = ("data", "fsdp")
@@ -88,21 +89,29 @@ def check_length(length: int, n: int, what="attention"):
                          f"(pad or pack rows to a multiple of {n})")
 
 
+def _open_document(own, me, n, before):
+    """Which devices' entries make up the document open where device `me` starts (before=True: the run of
+    the previous device's last entry) or ends (before=False: the next device's), from `own` [n, B] (each
+    device's entry's run): (use [n, B], that run [B], NO_RUN on the device with no such neighbour). Runs
+    never decrease along the sequence, so the devices on that side whose entry has that run are exactly
+    the ones the document spans: the nearest, and those before it wholly inside the document."""
+    near = me - 1 if before else me + 1
+    run = jnp.where((near >= 0) & (near < n), own[jnp.clip(near, 0, n - 1)], NO_RUN)
+    side = jnp.arange(n) < me if before else jnp.arange(n) > me
+    return side[:, None] & (own == run[None]), run
+
+
 def _fold(carries, me, n, before):
-    """The carry of the keys on the devices before `me` (before=True, in order) or after it (reversed),
-    from every device's (carry, its first run, its last run) stacked along a leading device axis."""
-    (seen, tau, total, run), first, last = carries
-    carry = documents.empty_carry(*total.shape[1:3], tau.shape[-1], total.shape[-2], total.shape[-1])
-    order = range(n) if before else range(n - 1, -1, -1)
-    for e in order:
-        mine = (seen[e], tau[e], total[e], run[e])
-        # a device wholly inside the carried document adds to it; any other device starts a new one
-        inside = (first[e] == last[e]) & (last[e] == carry[3])
-        folded = documents.merge(carry, mine)
-        new = jax.tree.map(lambda f, m: jnp.where(_rows(inside, f), f, m), folded, mine)
-        use = (e < me) if before else (e > me)
-        carry = jax.tree.map(lambda c, x: jnp.where(use, x, c), carry, new)
-    return carry
+    """The carry of the keys on the devices before `me` (before=True) or after it (before=False), from every
+    device's (carry of its last document in the pass's order, its first run, its last run) stacked along a
+    leading device axis: documents.merge of the entries of the document open there, in one reduction over
+    the devices (whose trace does not grow with their count)."""
+    (seen, tau, total, _), _, last = carries
+    use, run = _open_document(last, me, n, before)
+    live = _rows(use, seen) & seen                                                   # [n, B, H]
+    top = sg(finite_or(jnp.max(jnp.where(live[..., None], tau, NEG_INF), axis=0)))   # [B, H, F]
+    keep = jnp.where(live[..., None], jnp.exp(jnp.minimum(tau - top, 80.0)), 0.0)
+    return jnp.any(live, axis=0), top, jnp.sum(total * keep[..., None], axis=0), run
 
 
 def _rows(flag, like):
@@ -113,23 +122,22 @@ def _gather(carry, first, last):
     return jax.lax.all_gather((carry, first, last), AXIS)
 
 
+# a reduction over the device axis per STAT_OPS operator (the others reduce entry by entry)
+_DEVICE_REDUCTIONS = {jnp.add: jnp.sum, jnp.minimum: jnp.min, jnp.maximum: jnp.max}
+
+
 def _fold_stats(stats, first, last, me, n, before):
     """The floor's reductions (floor.STAT_OPS) over the keys of the document open where device `me` starts
     (before=True: on the devices before it; each device's entry its last document's, `last` its run) or
     where it ends (before=False: on the devices after it; each entry its first document's, `first` its
     run), all stacked along a leading device axis -> (the reductions, that document's run [B])."""
-    run = jnp.full(first.shape[1:], NO_RUN, jnp.int32)
-    carry = {name: jnp.full(a.shape[1:], STAT_OPS[name][1], a.dtype) for name, a in stats.items()}
-    for e in (range(n) if before else range(n - 1, -1, -1)):
-        mine = {name: a[e] for name, a in stats.items()}
-        own = last[e] if before else first[e]
-        # a device wholly inside the carried document adds to it; any other device starts a new one
-        inside = (first[e] == last[e]) & (own == run)
-        new = {name: jnp.where(_rows(inside, mine[name]), STAT_OPS[name][0](carry[name], mine[name]), mine[name])
-               for name in carry}
-        use = (e < me) if before else (e > me)
-        carry = {name: jnp.where(use, new[name], carry[name]) for name in carry}
-        run = jnp.where(use, own, run)
+    use, run = _open_document(last if before else first, me, n, before)
+    carry = {}
+    for name, a in stats.items():
+        op, identity = STAT_OPS[name]
+        used = jnp.where(_rows(use, a), a, identity)
+        reduce = _DEVICE_REDUCTIONS.get(op)
+        carry[name] = reduce(used, axis=0) if reduce else functools.reduce(op, list(used))
     return carry, run
 
 
