@@ -532,6 +532,23 @@ def test_tpu_document_pass_continues_from_a_carry():
     _assert_central_differences(case, carry, w, u, grads, ("t",), 25)
 
 
+@pytest.mark.parametrize("module", [tpu, fused], ids=["tpu", "triton-path"])
+def test_tpu_document_pass_takes_a_carry_stated_on_a_higher_tau(module):
+    """The carry's sums restated on τ + log 1000 (T / 1000: the same keys, z_f < 1, not what documents.summary
+    gives), batch 0's first keys padded so that its first rows read the carry alone: outputs and log-denominators
+    meet the float64 reference, and d/d(xq, rq, T) its central differences (a kernel that took the carry's τ as a
+    bound on its keys clamps those rows' ratio and gets these gradients wrong while the outputs stay right)."""
+    case, carry, _ = _carried_case(23)
+    case["valid"][0, :5] = False
+    restated = {**carry, "tau": carry["tau"] + np.log(1000.0), "t": carry["t"] / 1000.0}
+    w, u = _doc_weights(24)
+    out, lden, _, grads = _run_docs(case, restated, w, u, module=module,
+                                    **({} if module is tpu else {"interpret": True}))
+    want, want_lden = _documents64(case, restated)
+    _assert_equals_reference(out, lden, want, want_lden)
+    _assert_central_differences(case, restated, w, u, grads, ("xq", "rq", "t"), 28)
+
+
 @pytest.mark.parametrize("keys", ["own", "shifted"])
 def test_tpu_document_pass_equals_the_triton_path_kernel(keys):
     """The same pass through fused.document_pass (its own cut; plain Pallas interpret mode), entering with a carry:

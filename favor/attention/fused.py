@@ -1138,7 +1138,8 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
     """One causal pass of the document kernels: query i sees the keys j ≤ i with krun_j = qrun_i (shapes as
     in `attend`, Lq = Lk; qrun, krun [B, L] int32 runs, non-decreasing), entering with `carry`, the
     state of keys before the sequence as favor.attention.documents.summary gives it — (seen [B, H],
-    τ [B, H, F], T [B, H, F, Dv + 1] on τ, run [B]) — or None. Returns (out [B, H, L, Dv] float32,
+    τ [B, H, F], T [B, H, F, Dv + 1] on τ, run [B]; a τ above its keys is restated: `on_its_keys`) — or
+    None. Returns (out [B, H, L, Dv] float32,
     log-denominator [B, H, L] (LOW: no key), exceeded [B, H, L] as `attend`'s: the rows at or after a key of
     their document beyond the bound). Differentiable in xq, rq, xk, rk, v and the carry's T (its τ is a
     stabiliser)."""
@@ -1161,7 +1162,7 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
         tin, sin = jnp.full((b, h, fp), LOW, F32), jnp.zeros((b, h, fp, dvp), F32)
         zin, rin = jnp.zeros((b, h, fp), F32), jnp.full((b, 1), linear.NO_RUN, jnp.int32)
     else:
-        seen, tau, total, run = carry
+        seen, tau, total, run = on_its_keys(carry)
         tin = pad_to(jnp.where(seen[..., None], jax.lax.stop_gradient(tau).astype(F32), LOW), 2, fp, LOW)
         sin = pad_to(pad_to(total[..., :dv].astype(F32), 3, dvp), 2, fp)
         zin = pad_to(total[..., dv].astype(F32), 2, fp)
@@ -1172,6 +1173,18 @@ def document_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry=No
     reach = linear.segmented(excess, krun[:, None], jnp.maximum, LOW)
     exceeded = jnp.where((qrun == krun)[:, None], reach, LOW) > EXCEEDANCE
     return out[:, :, :l, :dv], lden[:, :, :l], exceeded[:, :, :l]
+
+
+def on_its_keys(carry):
+    """The carry (seen, τ, T, run) restated so that τ_f reaches no higher than its keys' largest log-feature:
+    where z_f = T[.., f, Dv] < 1 (τ_f above them: the same sums on another τ, though not what
+    documents.summary gives), on τ_f + log z_f, where z_f = 1. The kernels clamp a row's ratio β_i − log den_i
+    at 0 on the premise that the keys reach their τ; above it the outputs stay right but the gradients do
+    not. The factor is a constant of the call (the carry's τ is a stabiliser)."""
+    seen, tau, total, run = carry
+    z = total[..., -1].astype(F32)
+    shift = jax.lax.stop_gradient(jnp.where((z > 0) & (z < 1), jnp.log(jnp.where(z > 0, z, 1.0)), 0.0))
+    return seen, jax.lax.stop_gradient(tau).astype(F32) + shift, total.astype(F32) * jnp.exp(-shift)[..., None], run
 
 
 def _pad_front(a, axis):

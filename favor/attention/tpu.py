@@ -79,7 +79,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor.attention import linear
-from favor.attention.fused import (EXCEEDANCE, LOW, PRECISIONS, combine_blocks, feature_params, pad_to,
+from favor.attention.fused import (EXCEEDANCE, LOW, PRECISIONS, combine_blocks, feature_params, on_its_keys, pad_to,
                                    precision_name)
 
 F32 = jnp.float32
@@ -945,7 +945,7 @@ def _entering(carry, b, h, dv, dvp, fp):
     if carry is None:
         return (State(jnp.full((b, h, 1, fp), LOW, F32), jnp.zeros((b, h, dvp, fp), F32),
                       jnp.zeros((b, h, 1, fp), F32)), jnp.full((b,), linear.NO_RUN, jnp.int32))
-    seen, tau, total, run = carry
+    seen, tau, total, run = on_its_keys(carry)
     tau = jnp.where(seen[..., None], jax.lax.stop_gradient(tau).astype(F32), LOW)
     s = jnp.swapaxes(total[..., :dv].astype(F32), 2, 3)
     return (State(pad_to(tau, 2, fp, LOW)[:, :, None], pad_to(pad_to(s, 2, dvp), 3, fp),
