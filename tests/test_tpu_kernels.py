@@ -236,6 +236,17 @@ def test_tpu_kernel_refuses_what_it_does_not_cover():
         tpu.attend(x, r, p, c, x, r, p, c, x, None, False, precision="tf32")
 
 
+def test_tpu_kernel_pads_features_to_whole_lanes_only():
+    """The feature block is the widest of whole lanes, up to the tuned one, that divides F's lanes: no feature
+    beyond F rounded up to 128 is computed (F = 384 in three blocks of 128, not 512 in two of 256)."""
+    tuned = tpu.TUNING["causal"][1]
+    for f in (1, 48, 128, 200, 256, 384, 640, 1024):
+        block = tpu._plan("causal", 1024, f, True, None, None).block
+        lanes = -(-f // tpu.LANES) * tpu.LANES
+        assert lanes % block == 0 and block % tpu.LANES == 0 and block <= tuned, (f, block)
+        assert block == tuned or lanes % tuned, (f, block)          # the tuned block wherever it divides
+
+
 def _lowered(fn, *shapes):
     """The MLIR of jit(fn) exported for TPUs at `shapes` (jax.export with platforms=["tpu"]; no TPU needed)."""
     return jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes).mlir_module()

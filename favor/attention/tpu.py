@@ -851,7 +851,11 @@ def _plan(mode, length, features, interpret, precision, cut):
         raise ValueError(f"the TPU kernels cut calls into chunks of a multiple of {SUBLANES} rows and blocks of a "
                          f"multiple of {LANES} features; got {chunk} and {block}")
     c = min(chunk, _round_up(length, LANES if chunk % LANES == 0 else SUBLANES))
-    return Plan(c, min(block, _round_up(features, LANES)), features, bool(interpret),
+    # the widest block up to the tuned one that divides the features' whole lanes: F = 384 runs as three
+    # blocks of 128, not as 512 features in two of 256 (a third more feature work)
+    lanes = _round_up(features, LANES)
+    fb = next(w for w in range(min(block, lanes), 0, -LANES) if lanes % w == 0)
+    return Plan(c, fb, features, bool(interpret),
                 "fp32" if interpret else MOSAIC_PRODUCTS[precision])
 
 
