@@ -1012,6 +1012,28 @@ def test_cumulative_is_the_running_reduction_and_reads_no_future(length):
                                   np.logical_or.accumulate(flags, axis=2))
 
 
+@pytest.mark.parametrize("length", [1, 9, 64, 65])
+def test_segmented_reductions_restart_at_each_run(length):
+    """linear.segmented_all (the documents' running statistics, several arrays in one scan) against a numpy
+    loop in float64: each position's sum, minimum, maximum and log-sum-exp over the positions ≤ it of its own
+    run, for [B, H, L, X] and [B, H, L] arrays beside each other and runs [B, 1, L, 1] of uneven lengths."""
+    rng = np.random.default_rng(length)
+    runs = np.cumsum(rng.random((2, length)) < 0.3, axis=1).astype(np.int32)           # non-decreasing
+    parts = {"sum": rng.normal(size=(2, 3, length, 4)), "low": rng.normal(size=(2, 3, length, 4)),
+             "high": rng.normal(size=(2, 1, length, 1)), "mass": rng.normal(size=(2, 3, length)) * 5}
+    ops = {"sum": (jnp.add, np.add), "low": (jnp.minimum, np.minimum), "high": (jnp.maximum, np.maximum),
+           "mass": (jnp.logaddexp, np.logaddexp)}
+    got = jax.jit(lambda p, r: linear.segmented_all(p, r, {k: o[0] for k, o in ops.items()}, axis=2))(
+        {k: jnp.asarray(a, jnp.float32) for k, a in parts.items()}, jnp.asarray(runs)[:, None, :, None])
+    for name, a in parts.items():
+        want = a.copy()
+        for i in range(1, length):
+            same = (runs[:, i] == runs[:, i - 1]).reshape((2,) + (1,) * (a.ndim - 2))
+            want[:, :, i] = np.where(same, ops[name][1](want[:, :, i - 1], a[:, :, i]), a[:, :, i])
+        np.testing.assert_allclose(np.asarray(got[name], np.float64), np.broadcast_to(want, got[name].shape),
+                                   rtol=1e-5, atol=1e-5 * np.abs(a).max() * 4, err_msg=name)
+
+
 @pytest.mark.parametrize("length", [1, 7, 64, 65, 200])
 def test_cumulative_sum_is_the_running_sum_and_reads_no_future(length):
     """linear.cumulative_sum against numpy's float64 running sum along axis 2 and along the last axis, and
