@@ -12,7 +12,7 @@ import pytest
 
 import reference
 from favor import attention
-from favor.attention import documents, fused, kinds
+from favor.attention import documents, fused, kinds, tpu
 from test_attention import calibration_stats, check_against_reference, qkv
 
 # every mechanism the kernel covers: the four kinds and FAVOR#'s variants, antithetic and importance-
@@ -460,10 +460,12 @@ def test_a_key_beyond_the_bound_moves_no_other_document(impl, causal):
     assert np.max(err) <= 1, (np.max(err), np.argwhere(err > 1)[:3])
 
 
-def test_padded_features_never_set_a_keys_scale():
+@pytest.mark.parametrize("kernels", ["triton-path", "tpu"])
+def test_padded_features_never_set_a_keys_scale(kernels):
     """A map whose row term jumps by 50 between keys while every real log-feature stays 0 (D = 1, F = 24,
-    padded to 32): the padded features' l_k − τ0 is that jump, which must not count as a key exceeding its
-    reference (it would flag the call and scale the key's weight by e^(40 − 50))."""
+    padded to 32 on the Triton path, 128 on the TPU's): the padded features' l_k − τ0 is that jump, which
+    must not count as a key exceeding its reference (it would flag the rows and scale the key's weight by
+    e^(40 − 50))."""
     l, f = 8, 24
     xk = np.zeros((1, 1, l, 1), np.float32)
     xk[0, 0, 0, 0] = 50.0
@@ -471,8 +473,9 @@ def test_padded_features_never_set_a_keys_scale():
     rk[0, 0, 0] = -50.0                                 # l_k(j, f) = 0 for every key and real feature
     ones, zeros = np.ones((1, f), np.float32), np.zeros((f,), np.float32)
     v = np.arange(l, dtype=np.float32).reshape(1, 1, l, 1)
-    out, exceeded = fused.attend(jnp.zeros((1, 1, l, 1)), jnp.zeros((1, 1, l)), ones, zeros, xk, rk, ones, zeros,
-                                 v, None, True)
+    attend = fused.attend if kernels == "triton-path" else functools.partial(tpu.attend, cut=(8, 128))
+    out, exceeded = attend(jnp.zeros((1, 1, l, 1)), jnp.zeros((1, 1, l)), ones, zeros, xk, rk, ones, zeros, v,
+                           None, True)
     assert not bool(jnp.any(exceeded))
     np.testing.assert_allclose(np.asarray(out)[0, 0, :, 0], np.arange(l) / 2.0, rtol=1e-6)   # mean of v_0..v_i
 

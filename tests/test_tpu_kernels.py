@@ -210,22 +210,6 @@ def test_tpu_kernel_flags_the_rows_after_a_key_beyond_the_bound():
     assert np.all(np.isfinite(out))
 
 
-def test_tpu_kernel_padded_features_never_set_a_keys_scale():
-    """A map whose row term jumps by 50 between keys while every real log-feature stays 0 (D = 1, F = 24, padded
-    to 128): the padded features' l_k − τ0 is that jump, which must not count as a key beyond the bound."""
-    l, f = 8, 24
-    xk = np.zeros((1, 1, l, 1), np.float32)
-    xk[0, 0, 0, 0] = 50.0
-    rk = np.zeros((1, 1, l), np.float32)
-    rk[0, 0, 0] = -50.0                                 # l_k(j, f) = 0 for every key and real feature
-    ones, zeros = np.ones((1, f), np.float32), np.zeros((f,), np.float32)
-    v = np.arange(l, dtype=np.float32).reshape(1, 1, l, 1)
-    out, exceeded = tpu.attend(jnp.zeros((1, 1, l, 1)), jnp.zeros((1, 1, l)), ones, zeros, xk, rk, ones, zeros, v,
-                               None, True, cut=(8, 128))
-    assert not bool(jnp.any(exceeded))
-    np.testing.assert_allclose(np.asarray(out)[0, 0, :, 0], np.arange(l) / 2.0, rtol=1e-6)   # mean of v_0..v_i
-
-
 def test_tpu_kernel_refuses_what_it_does_not_cover():
     x, r, p, c = jnp.zeros((1, 1, 16, 4)), jnp.zeros((1, 1, 16)), jnp.zeros((4, 8)), jnp.zeros((8,))
     with pytest.raises(ValueError, match="Lq = Lk"):

@@ -303,14 +303,14 @@ def summary(lk, sk, v1, keep, run):
     return jnp.any(jnp.isfinite(top), axis=-1), tau, total, run
 
 
-def merge(a, b):
-    """Carries a then b of one document: one carry (the maxima's maximum, the sums moved onto it)."""
-    seen_a, tau_a, total_a, _ = a
-    seen_b, tau_b, total_b, run = b
-    tau = jnp.maximum(jnp.where(seen_a[..., None], tau_a, NEG_INF), jnp.where(seen_b[..., None], tau_b, NEG_INF))
-    tau = sg(finite_or(tau))
-    keep = lambda seen, t: jnp.where(seen[..., None], jnp.exp(jnp.minimum(t - tau, 80.0)), 0.0)[..., None]
-    return seen_a | seen_b, tau, total_a * keep(seen_a, tau_a) + total_b * keep(seen_b, tau_b), run
+def merge(seen, tau, total, use):
+    """Carries stacked along a leading axis (seen [n, B, H], τ [n, B, H, F], T [n, B, H, F', Dv+1]), those
+    where `use` [n, B] holds all of one document: one carry (seen, τ, T), the maxima's maximum and each sum
+    moved onto it once."""
+    live = use[..., None] & seen                                                     # [n, B, H]
+    top = sg(finite_or(jnp.max(jnp.where(live[..., None], tau, NEG_INF), axis=0)))
+    keep = jnp.where(live[..., None], jnp.exp(jnp.minimum(tau - top, 80.0)), 0.0)
+    return jnp.any(live, axis=0), top, jnp.sum(total * keep[..., None], axis=0)
 
 
 def before_sums(query_map, key_map, ctx, x, y, v1, valid, r, chunk_size=CAUSAL_CHUNK, path="auto", span=None,

@@ -376,7 +376,7 @@ class FeatureAttention(Attention, abc.ABC):
         if self.sequence_fused():
             forms = lambda ctx, x, y: (self.mech.query_log_linear(x, ctx.draw, ctx.params),
                                        self.mech.key_log_linear(y, ctx.draw, ctx.params))
-            extra = {"fused": {"forms": forms, "precision": self.kernel_precision, "pass": document_kernel()}}
+            extra = {"fused": {"forms": forms, "precision": self.kernel_precision, "pass": kernels_module().document_pass}}
         out = sequence.linear(self.query_map, self.key_map, ctx, x, y, _to_bhld(v), mask, runs, self.positive, causal,
                               self.chunk_size or causal_lib.CAUSAL_CHUNK, path, self.causal_span, **extra)
         return _to_bhld(out).astype(v.dtype)
@@ -620,9 +620,12 @@ def kernel_backend():
     return jax.default_backend()
 
 
-def document_kernel():
-    """The backend's pass of the document kernels (fused.document_pass's contract): Mosaic's on a TPU."""
-    return tpu.document_pass if kernel_backend() == "tpu" else fused.document_pass
+def kernels_module():
+    """The backend's kernels: favor.attention.tpu (Mosaic) on a TPU, else favor.attention.fused; both give
+    `attend`, `document_pass` and `prefill` with one contract."""
+    return tpu if kernel_backend() == "tpu" else fused
+
+
 SOFTMAX_IMPLS = ("auto", "xla", "cudnn")
 AUTO_FUSED = {"gpu": {"bidirectional": 4096, "causal": 16384}}
 
@@ -836,13 +839,11 @@ class RandomFeatureAttention(FeatureAttention):
         xq, rq, pq, cq = self.mech.query_log_linear(x, ctx.draw, ctx.params)
         xk, rk, pk, ck = self.mech.key_log_linear(y, ctx.draw, ctx.params)
         vv = _to_bhld(v)
-        forms = (xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal)
-        if runs is not None:
-            out, exceeded = fused.packed(*forms, runs, document_kernel(), precision=self.kernel_precision)
-        elif kernel_backend() == "tpu":
-            out, exceeded = tpu.attend(*forms, precision=self.kernel_precision)         # Mosaic's kernels
+        forms, kernels = (xq, rq, pq, cq, xk, rk, pk, ck, vv, mask, causal), kernels_module()
+        if runs is None:
+            out, exceeded = kernels.attend(*forms, precision=self.kernel_precision)
         else:
-            out, exceeded = fused.attend(*forms, precision=self.kernel_precision)
+            out, exceeded = fused.packed(*forms, runs, kernels.document_pass, precision=self.kernel_precision)
         if causal or runs is not None:
             # the rows past a key beyond its chunk's reference by more than the chunk form allows (in their
             # own batch and head, and document; documents: both modes are causal passes) take favor's XLA
@@ -909,9 +910,8 @@ class RandomFeatureAttention(FeatureAttention):
         valid = last_document(valid, segment_ids, k)
         if k.shape[1] and self.uses_fused(False, k, k):
             _, y = self.scaled(k, k)
-            prefill = tpu.prefill if kernel_backend() == "tpu" else fused.prefill
-            tau, total = prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v), valid,
-                                       precision=self.kernel_precision)
+            tau, total = kernels_module().prefill(*self.mech.key_log_linear(y, ctx.draw, ctx.params), _to_bhld(v),
+                                                  valid, precision=self.kernel_precision)
             return {"tau": tau, "sum": total}
         return super().decode_prefill(k, v, ctx, valid)
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from favor.attention import documents, fused as fused_lib, window as window_lib
 from favor.attention.causal import CAUSAL_CHUNK
 from favor.attention.floor import STAT_OPS, document_stats, floor_of, log_norm_bounds, ratio, whole_document
-from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, finite_or, ones_column, segmented, sg
+from favor.attention.linear import F32, NEG_INF, NO_RUN, combine, ones_column, segmented, sg
 
 AXIS = "sequence"
 BATCH_AXES = ("data", "fsdp")
@@ -103,35 +103,28 @@ def _open_document(own, me, n, before):
 
 def _fold(carries, me, n, before):
     """The carry of the keys on the devices before `me` (before=True) or after it (before=False), from every
-    device's (carry of its last document in the pass's order, its first run, its last run) stacked along a
-    leading device axis: documents.merge of the entries of the document open there, in one reduction over
-    the devices (whose trace does not grow with their count)."""
-    (seen, tau, total, _), _, last = carries
+    device's carry of its last document in the pass's order (documents.summary: its run the last leaf),
+    all-gathered: documents.merge of the entries of the document open there, one reduction over the devices
+    (whose trace does not grow with their count)."""
+    seen, tau, total, last = jax.lax.all_gather(carries, AXIS)
     use, run = _open_document(last, me, n, before)
-    live = _rows(use, seen) & seen                                                   # [n, B, H]
-    top = sg(finite_or(jnp.max(jnp.where(live[..., None], tau, NEG_INF), axis=0)))   # [B, H, F]
-    keep = jnp.where(live[..., None], jnp.exp(jnp.minimum(tau - top, 80.0)), 0.0)
-    return jnp.any(live, axis=0), top, jnp.sum(total * keep[..., None], axis=0), run
+    return (*documents.merge(seen, tau, total, use), run)
 
 
 def _rows(flag, like):
     return flag.reshape(flag.shape + (1,) * (like.ndim - flag.ndim))
 
 
-def _gather(carry, first, last):
-    return jax.lax.all_gather((carry, first, last), AXIS)
-
-
 # a reduction over the device axis per STAT_OPS operator (the others reduce entry by entry)
 _DEVICE_REDUCTIONS = {jnp.add: jnp.sum, jnp.minimum: jnp.min, jnp.maximum: jnp.max}
 
 
-def _fold_stats(stats, first, last, me, n, before):
+def _fold_stats(stats, own, me, n, before):
     """The floor's reductions (floor.STAT_OPS) over the keys of the document open where device `me` starts
-    (before=True: on the devices before it; each device's entry its last document's, `last` its run) or
-    where it ends (before=False: on the devices after it; each entry its first document's, `first` its
-    run), all stacked along a leading device axis -> (the reductions, that document's run [B])."""
-    use, run = _open_document(last if before else first, me, n, before)
+    (before=True: on the devices before it; each device's entry its last document's) or where it ends
+    (before=False: on the devices after it; each entry its first document's), `own` each entry's run, both
+    all-gathered along a leading device axis -> (the reductions, that document's run [B])."""
+    use, run = _open_document(own, me, n, before)
     carry = {}
     for name, a in stats.items():
         op, identity = STAT_OPS[name]
@@ -150,7 +143,6 @@ def _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me, g
     nq, nk = (sg(log_norm_bounds(*m(ctx, a)).astype(F32)) for m, a in ((query_map, x), (key_map, y)))
     nk = jnp.where(valid[:, None], nk, NEG_INF)
     stats = document_stats(y.astype(F32), v.astype(F32), w, runs, None if gap else nk)
-    first, last = runs[:, 0], runs[:, -1]
 
     def add(stats, carried, run):
         inside = runs == run[:, None]                                       # [B, Lc]
@@ -158,11 +150,11 @@ def _floor_shard(query_map, key_map, ctx, x, y, v, valid, runs, causal, n, me, g
         return {name: jnp.where(mask(a), STAT_OPS[name][0](jnp.expand_dims(carried[name], 2), a), a)
                 for name, a in stats.items()}
 
-    ahead = jax.lax.all_gather(({k: a[:, :, -1] for k, a in stats.items()}, first, last), AXIS)
+    ahead = jax.lax.all_gather(({k: a[:, :, -1] for k, a in stats.items()}, runs[:, -1]), AXIS)
     stats = add(stats, *_fold_stats(*ahead, me, n, before=True)) if causal else stats
     if not causal:
         whole = {name: whole_document(a, runs) for name, a in stats.items()}
-        behind = jax.lax.all_gather(({k: a[:, :, 0] for k, a in whole.items()}, first, last), AXIS)
+        behind = jax.lax.all_gather(({k: a[:, :, 0] for k, a in whole.items()}, runs[:, 0]), AXIS)
         stats = add(add(whole, *_fold_stats(*ahead, me, n, before=True)), *_fold_stats(*behind, me, n, before=False))
     if gap:
         stats["mass"] = _off_band_mass(nk, runs, gap, causal, n, me)
@@ -180,9 +172,7 @@ def _off_band_mass(nk, runs, gap, causal, n, me):
             mk, mr, qr = jnp.flip(mk, 2), jnp.flip(mr, 1), jnp.flip(runs, 1)
         total = segmented(mk, mr[:, None], jnp.logaddexp, NEG_INF, axis=2)
         # each device's entry: its running sum at its end in this direction, that end's document's run
-        own, other = mr[:, -1], mr[:, 0]
-        ends = jax.lax.all_gather(({"mass": total[:, :, -1]}, other, own) if not after else
-                                  ({"mass": total[:, :, -1]}, own, other), AXIS)
+        ends = jax.lax.all_gather(({"mass": total[:, :, -1]}, mr[:, -1]), AXIS)
         carried, crun = _fold_stats(*ends, me, n, before=not after)
         total = jnp.where((mr == crun[:, None])[:, None], jnp.logaddexp(carried["mass"][:, :, None], total), total)
         out = jnp.where((mr == qr)[:, None], total, NEG_INF)
@@ -232,9 +222,8 @@ def _estimate(query_map, key_map, ctx, x, y, v1, valid, runs, gap, n, after, chu
         rq, rk = documents.reversed_runs(rq), documents.reversed_runs(rk)
     lk, sk = key_map(ctx, yk)
     lk = jnp.where(validk[:, None, :, None], lk.astype(F32), NEG_INF)
-    first, last = rk[:, 0], rk[:, -1]
-    init = _fold(_gather(documents.summary(lk, sk, vk, rk == last[:, None], last), first, last), me, n,
-                 before=not after)
+    last = rk[:, -1]
+    init = _fold(documents.summary(lk, sk, vk, rk == last[:, None], last), me, n, before=not after)
     out, scale = documents.causal_sums(query_map, key_map, ctx, x, yk, vk, validk, rq, rk, chunk_size, path, span,
                                        init)
     return (jnp.flip(out, axis=2), jnp.flip(scale, axis=2)) if after else (out, scale)
@@ -260,11 +249,11 @@ def _band(bx, by, v1, valid, runs, window, causal, n, log_mix):
 
 def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision, one_pass):
     """(out [B, H, Lc, Dv], exceeded [B, H, Lc]: the rows to take from the exact path, as fused.attend's) of
-    the fused kernel's document
-    passes (`one_pass`: fused.document_pass, or the TPU's) over one device's tokens, each entering with the carry
-    of the other devices' keys: their log-features (forms(ctx, x, y): the kind's log-linear forms) reduced
-    per device to its last document's state, all-gathered and folded as the XLA pass does; bidirectional
-    adds the reversed pass over keys moved one position earlier, combined by the log-denominators."""
+    the fused kernel's document passes (`one_pass`: fused.document_pass, or the TPU's) over one device's
+    tokens, each entering with the carry of the other devices' keys: their log-features (forms(ctx, x, y):
+    the kind's log-linear forms) reduced per device to its last document's state, all-gathered and folded
+    as the XLA pass does; bidirectional adds the reversed pass over keys moved one position earlier,
+    combined by the log-denominators."""
     me = jax.lax.axis_index(AXIS)
     (xq, rq, pq, cq), (xk, rk, pk, ck) = forms(ctx, x, y)
     pk, ck = sg(fused_lib.feature_params(pk, 2)), sg(fused_lib.feature_params(ck, 1))
@@ -272,9 +261,8 @@ def _fused_shard(forms, ctx, x, y, v, valid, runs, causal, n, precision, one_pas
     def carry(xk, rk, v, valid, krun, before):
         lk = jnp.matmul(xk.astype(F32), pk) + ck[:, :, None, :] + rk[..., None].astype(F32)
         lk = jnp.where(valid[:, None, :, None], lk, NEG_INF)
-        first, last = krun[:, 0], krun[:, -1]
-        state = documents.summary(lk, None, ones_column(v), krun == last[:, None], last)
-        return _fold(_gather(state, first, last), me, n, before)
+        last = krun[:, -1]
+        return _fold(documents.summary(lk, None, ones_column(v), krun == last[:, None], last), me, n, before)
 
     def run(xq, rq, xk, rk, v, valid, qrun, krun, before):
         return one_pass(xq, rq, pq, cq, xk, rk, pk, ck, v, valid, qrun, krun, carry(xk, rk, v, valid, krun, before),
@@ -300,9 +288,9 @@ def linear_shard(query_map, key_map, ctx, x, y, v, valid, runs, positive, causal
     (the runs of the whole sequence: documents.runs before sharding) -> [B, H, Lc, Dv]. A sign-indefinite
     kind (not `positive`; x and y arrays, the kernel's inputs) gets its floor over the whole sequence.
     `window` > 0: the exact band (`band`: its inputs (x, y), `log_mix`: the learned mix) and the estimate
-    beyond it, as favor.attention.window. `fused` {"forms", "precision", "pass"}: the fused kernel (`_fused_shard`; "pass" the backend's
-    fused.document_pass),
-    with this XLA pass's output in the rows past a key that exceeds the kernel's chunk form."""
+    beyond it, as favor.attention.window. `fused` {"forms", "precision", "pass"}: the fused kernel
+    (`_fused_shard`; "pass" the backend's fused.document_pass), with this XLA pass's output in the rows past
+    a key that exceeds the kernel's chunk form."""
     if fused is not None:
         out, exceeded = _fused_shard(fused["forms"], ctx, x, y, v, valid, runs, causal, n, fused["precision"],
                                      fused["pass"])
