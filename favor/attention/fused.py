@@ -57,9 +57,6 @@ from jax.experimental import pallas as pl
 from favor.attention import causal as causal_lib, documents, linear
 
 F32 = jnp.float32
-# where these kernels run: GPUs through Triton, CPUs in Pallas interpret mode (a TPU runs
-# favor.attention.tpu's Mosaic kernels)
-BACKENDS = ("gpu", "cpu")
 LOW = linear.LOWEST_SCALE   # "no reference yet" / "no key": finite, so no −inf − (−inf)
 EXCEEDANCE = causal_lib.FAST_EXCEEDANCE   # the causal chunk form's bound on a_j
 HIGHEST = jax.lax.Precision.HIGHEST
